@@ -1,0 +1,341 @@
+"""Math answer reward: math-verify on the completion's final answer, bounded in time and memory.
+
+Extraction is plain string scanning in the caller: the final answer is the content of the last `\\boxed{}` /
+`\\fbox{}`, else of the last `Answer: ...` line (DAPO's template). An answer longer than `MAX_ANSWER_CHARS` or
+holding lone surrogates scores 0 as an error without being parsed; one equal to the gold string scores 1
+without math-verify. Nothing is ever `eval`-ed.
+
+Parsing (gold cached once per worker) and `verify` run in `NUM_WORKERS` worker processes. A worker is
+`python -c` running this very file: not a fork of the trainer (no torch, CUDA or NCCL state) and, unlike a
+'spawn' multiprocessing child, it never re-imports the training script; it imports only math-verify. Each
+worker caps its address space and CPU time and arms a SIGALRM timer per item (math-verify's own signal
+timeouts need a main thread, which the worker loop is). Work goes out in chunks and comes back one result per
+item. The caller watches progress with `select`: a worker silent for `timeout_s + 1` s (stuck in C code, where
+no signal handler runs, e.g. big-integer arithmetic) is killed; the item it was on scores 0 as a timeout, the
+rest of its chunk is queued again and a fresh worker takes its place, so one bad item never zeroes its
+neighbours and later calls still work. The pool starts on first use, is reused, is re-created in a forked
+child and is killed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import math
+import os
+import pickle
+import re
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+MAX_ANSWER_CHARS = 1000  # longer extracted answers score 0 (counted as errors) without parsing
+NUM_WORKERS = min(2, os.cpu_count() or 1)
+MEMORY_LIMIT_BYTES = 4 << 30  # RLIMIT_AS of each worker
+_CHUNK = 32  # max items per message to a worker
+_GRACE_S = 1.0  # extra wall time before the parent kills a worker (its own alarm fires at timeout_s)
+_START_TIMEOUT_S = 120.0
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"\\[{}]|[{}]")  # escaped braces `\{ \}` are text, not structure
+_ANSWER_LINE = re.compile(r"^[^\w\n]*(?:final[ \t]+)?answer[^\w\n:]*:(.*)$", re.IGNORECASE | re.MULTILINE)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
+_WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+
+
+def _unwrap(s: str) -> str:
+    s = s.strip()
+    for left, right in _WRAPPERS:
+        if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
+            s = s[len(left) : len(s) - len(right)].strip()
+    return s
+
+
+def _last_boxed(text: str, limit: int | None = None) -> str | None:
+    """Content of the last balanced `\\boxed{...}` (or `\\fbox`); with `limit`, cut after limit+1 chars."""
+    starts = [m.end() for m in _BOX.finditer(text)]
+    for start in reversed(starts[-4:]):  # a truncated last box falls back to an earlier one
+        depth, stop = 1, None if limit is None else start + limit + 1
+        for m in _BRACE.finditer(text, start, stop if stop is not None else len(text)):
+            if len(m.group()) == 1:
+                depth += 1 if m.group() == "{" else -1
+                if depth == 0:
+                    return _unwrap(text[start : m.start()])
+        if stop is not None and stop < len(text):
+            return text[start:stop]  # too long: the caller sees len > limit
+    return None
+
+
+def _extract(text: str, limit: int | None) -> str | None:
+    boxed = _last_boxed(text, limit)
+    if boxed is None:
+        lines = _ANSWER_LINE.findall(text)
+        boxed = _unwrap(lines[-1].strip().rstrip(".").strip("* ")) if lines else None
+    return boxed or None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The completion's final answer: the last `\\boxed{}`/`\\fbox{}` content (balanced braces), else the last
+    `Answer: ...` line, with `$...$`, `\\(...\\)` and `\\[...\\]` wrappers removed; None if there is none."""
+    return _extract(text, None)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _gold_text(answer: str) -> str:
+    """The gold answer as a bare string: the last boxed content of a full solution, else the string."""
+    return (_last_boxed(answer) if "\\boxed" in answer or "\\fbox" in answer else None) or _unwrap(answer)
+
+
+# math-verify, in the workers
+
+
+def _parse(answer: str) -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    # a bare string is not LaTeX to math-verify until it sits in an environment such as \boxed{}
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    return parse(f"\\boxed{{{answer}}}", config, parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def parse_gold(answer: str) -> list[Any]:
+    """math-verify's parse of a gold answer (bare `\\sqrt{18}`, `3/4`, `B`, or a full solution whose last
+    `\\boxed{}` holds it), cached. `[]` or a list without a sympy object means unparseable. No timeout here:
+    the scoring workers bound it; use `find_unparseable_gold` for a bounded check."""
+    return _parse(_gold_text(answer))
+
+
+def _has_expr(parsed: list[Any]) -> bool:
+    return any(not isinstance(p, str) for p in parsed)
+
+
+class _ItemTimeout(BaseException):  # BaseException: math-verify's `except Exception` must not swallow it
+    pass
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _ItemTimeout
+
+
+def _verify(pred: str | None, gold: str) -> tuple[float, str]:
+    from math_verify import verify
+
+    g = parse_gold(gold)
+    if pred is None:  # gold check only
+        return float(_has_expr(g)), "ok"
+    if not _has_expr(g):
+        return 0.0, "error"
+    p = _parse(pred)
+    if not p:
+        return 0.0, "no_answer"
+    return float(verify(g, p, timeout_seconds=None)), "ok"
+
+
+def _score_item(pred: str | None, gold: str, timeout_s: float) -> tuple[float, str]:
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return _verify(pred, gold)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _ItemTimeout:
+        return 0.0, "timeout"
+    except Exception:  # noqa: BLE001 - any failure scores 0 (includes RecursionError, MemoryError)
+        return 0.0, "error"
+
+
+def _send(f: Any, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(struct.pack("<I", len(data)) + data)
+    f.flush()
+
+
+def _set_limit(kind: int, soft: int) -> None:
+    hard = resource.getrlimit(kind)[1]
+    resource.setrlimit(kind, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _worker_main() -> None:
+    sys.path[:] = [p for p in sys.path if p not in ("", os.path.dirname(__file__))]
+    out, inp = os.fdopen(os.dup(1), "wb"), sys.stdin.buffer
+    os.dup2(2, 1)  # stray prints must not corrupt the result stream
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
+    signal.signal(signal.SIGALRM, _on_alarm)
+    logging.disable(logging.CRITICAL)
+    warnings.simplefilter("ignore")
+    _set_limit(resource.RLIMIT_AS, MEMORY_LIMIT_BYTES)
+    _score_item("1", "1", 60.0)  # warm up imports and parser caches
+    _send(out, "ready")
+    while header := inp.read(4):
+        items, timeout_s = pickle.loads(inp.read(struct.unpack("<I", header)[0]))
+        cpu = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])  # CPU cap: bounds us even if orphaned
+        _set_limit(resource.RLIMIT_CPU, int(cpu + len(items) * (timeout_s + _GRACE_S)) + 2)
+        for i, pred, gold in items:
+            _send(out, (i, *_score_item(pred, gold, timeout_s)))
+
+
+# the pool, in the caller
+
+
+class _Worker:
+    def __init__(self) -> None:
+        boot = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__reward_worker__')"
+        cmd = [sys.executable, "-c", boot, os.path.abspath(__file__)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self.buf, self.ready, self.items, self.since = b"", False, [], time.monotonic()
+
+    def fileno(self) -> int:
+        return self.proc.stdout.fileno()  # type: ignore[union-attr]
+
+    def read(self) -> list[Any] | None:
+        """Complete messages received so far; None when the worker has died."""
+        data = os.read(self.fileno(), 1 << 20)
+        if not data:
+            return None
+        self.buf += data
+        msgs = []
+        while len(self.buf) >= 4 and len(self.buf) >= 4 + (n := struct.unpack("<I", self.buf[:4])[0]):
+            msgs.append(pickle.loads(self.buf[4 : 4 + n]))
+            self.buf = self.buf[4 + n :]
+        return msgs
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()  # type: ignore[union-attr]
+
+
+class _Pool:
+    def __init__(self, n: int) -> None:
+        self.pid, self.workers = os.getpid(), [_Worker() for _ in range(n)]
+
+    def _replace(self, w: _Worker, queue: deque, results: dict, status: str | None) -> None:
+        if status is not None and w.items:  # charge the item it was on; the rest of the chunk goes back
+            results[w.items.pop(0)[0]] = (0.0, status)
+        if w.items:
+            queue.appendleft(w.items)
+        w.kill()
+        self.workers[self.workers.index(w)] = _Worker()
+
+    def run(self, tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
+        chunk = max(1, min(_CHUNK, math.ceil(len(tasks) / (2 * len(self.workers)))))
+        queue = deque(tasks[k : k + chunk] for k in range(0, len(tasks), chunk))
+        results: dict[int, tuple[float, str]] = {}
+        while len(results) < len(tasks):
+            for w in list(self.workers):
+                if w.ready and not w.items and queue:
+                    w.items, w.since = list(queue.popleft()), time.monotonic()
+                    try:
+                        _send(w.proc.stdin, (w.items, timeout_s))
+                    except OSError:  # died while idle: not the items' fault
+                        self._replace(w, queue, results, None)
+            busy = [w for w in self.workers if w.items or not w.ready]
+            for w in select.select(busy, [], [], 0.1)[0]:
+                msgs = w.read()
+                if msgs is None and not w.ready:
+                    raise RuntimeError("common.reward: a math-verify worker failed to start (see stderr)")
+                if msgs is None:
+                    self._replace(w, queue, results, "error")
+                    continue
+                for msg in msgs:
+                    if msg == "ready":
+                        w.ready = True
+                    else:
+                        i, value, status = msg
+                        if w.items.pop(0)[0] != i:
+                            raise RuntimeError("common.reward: worker answered out of order")
+                        results[i] = (value, status)
+                    w.since = time.monotonic()
+            now = time.monotonic()
+            for w in list(self.workers):
+                if not w.ready and now - w.since > _START_TIMEOUT_S:
+                    raise RuntimeError("common.reward: a math-verify worker did not start in time")
+                if w.items and now - w.since > timeout_s + _GRACE_S:
+                    self._replace(w, queue, results, "timeout")
+        return results
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+
+
+_POOL: _Pool | None = None
+_LOCK = threading.Lock()
+
+
+def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
+    global _POOL
+    if not tasks:
+        return {}
+    with _LOCK:
+        if _POOL is None or _POOL.pid != os.getpid():  # a forked child must not share its parent's pipes
+            _POOL = _Pool(NUM_WORKERS)
+        try:
+            return _POOL.run(tasks, timeout_s)
+        except BaseException:  # e.g. Ctrl-C mid-batch: late answers must not leak into the next call
+            _POOL.close()
+            _POOL = None
+            raise
+
+
+@atexit.register
+def _shutdown() -> None:
+    if _POOL is not None and _POOL.pid == os.getpid():
+        _POOL.close()
+
+
+def score(completions: list[str], answers: list[str], timeout_s: float = 5.0) -> tuple[list[float], dict[str, int]]:
+    """Score each completion 1.0/0.0 against its gold answer and count what went wrong.
+
+    Returns `(scores, {"timeouts": n, "errors": n, "no_answer": n})`: timeouts are items that ran past
+    `timeout_s` seconds; errors are exceptions, dead workers, answers too long or not valid unicode, and
+    unparseable gold; no_answer is a completion with no final answer (or one math-verify extracts nothing from).
+    """
+    if len(completions) != len(answers):
+        raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
+    scores, counts = [0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0}
+    key = {"timeout": "timeouts", "error": "errors", "no_answer": "no_answer"}
+    tasks: list[tuple[int, str | None, str]] = []
+    for i, (completion, gold) in enumerate(zip(completions, answers)):
+        ans = _extract(completion, MAX_ANSWER_CHARS)
+        if ans is None:
+            counts["no_answer"] += 1
+        elif len(ans) > MAX_ANSWER_CHARS or _SURROGATE.search(ans):
+            counts["errors"] += 1
+        elif ans == _gold_text(str(gold)):
+            scores[i] = 1.0
+        else:
+            tasks.append((i, ans, str(gold)))
+    for i, (value, status) in _run(tasks, timeout_s).items():
+        scores[i] = value
+        if status in key:
+            counts[key[status]] += 1
+    return scores, counts
+
+
+def math_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 where math-verify judges the completion's final answer equivalent to the gold answer, else 0.0."""
+    return score(completions, answers)[0]
+
+
+def find_unparseable_gold(answers: list[str], timeout_s: float = 5.0) -> list[int]:
+    """Indices of gold answers math-verify cannot parse (report them at dataset load time)."""
+    golds = [str(a) for a in answers]
+    unique = {g: k for k, g in enumerate(golds) if g.strip()}
+    results = _run([(k, None, g) for g, k in unique.items()], timeout_s)
+    ok = {golds[k] for k, (value, _) in results.items() if value == 1.0}
+    return [i for i, g in enumerate(golds) if g not in ok]
+
+
+if __name__ == "__reward_worker__":
+    _worker_main()

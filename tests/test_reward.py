@@ -1,0 +1,161 @@
+"""common/reward.py: answer extraction, math-verify equivalences, and bounds against hostile completions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from common import reward
+from common.reward import extract_final_answer, find_unparseable_gold, math_reward, parse_gold, score
+
+CORRECT = [
+    (r"The answer is \boxed{42}.", "42"),
+    (r"so \boxed{\frac{1}{2}}", "0.5"),
+    (r"so \boxed{\frac{1}{2}}", "1/2"),
+    (r"\boxed{\sqrt{18}}", r"3\sqrt{2}"),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1"),
+    (r"\boxed{\{1,2,3\}}", r"\{3,2,1\}"),
+    (r"The correct option is \boxed{B}", "B"),
+    ("Compute 3+4.\nAnswer: 7", "7"),
+    ("Some work.\n**Answer:** $\\frac{3}{4}$", "0.75"),
+    (r"First \boxed{3}, but wait, it is \boxed{5}", "5"),
+    (r"\fbox{10}", "10"),
+    (r"$\boxed{3/4}$", r"\frac{3}{4}"),
+    (r"\boxed{\dfrac{1}{2}}", r"The solution ends with $x = \boxed{\frac12}$."),  # full MATH solution as gold
+    ("x" * 2_000_000 + r" so \boxed{12}", "12"),  # a long completion with a normal answer still scores
+]
+WRONG = [
+    (r"\boxed{41}", "42"),
+    (r"\boxed{A}", "B"),
+    (r"First \boxed{5}, but wait, it is \boxed{3}", "5"),
+    ("I have no idea.", "42"),
+    ("", "42"),
+    (r"\boxed{}", "42"),
+]
+
+
+@pytest.mark.parametrize("completion,gold", CORRECT)
+def test_correct(completion, gold):
+    assert score([completion], [gold]) == ([1.0], {"timeouts": 0, "errors": 0, "no_answer": 0})
+
+
+@pytest.mark.parametrize("completion,gold", WRONG)
+def test_wrong(completion, gold):
+    assert math_reward([completion], [gold]) == [0.0]
+
+
+def test_no_answer_is_counted():
+    _, counts = score(["I have no idea.", "", r"\boxed{}", r"\boxed{7}"], ["1", "1", "1", "7"])
+    assert counts == {"timeouts": 0, "errors": 0, "no_answer": 3}
+
+
+def test_batch_matches_items():
+    completions, golds = zip(*(CORRECT[:-1] + WRONG))
+    assert math_reward(list(completions), list(golds)) == [1.0] * (len(CORRECT) - 1) + [0.0] * len(WRONG)
+
+
+def test_extract_final_answer():
+    assert extract_final_answer(r"\boxed{1} and \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert extract_final_answer(r"\boxed{\{1,2\}}") == r"\{1,2\}"
+    assert extract_final_answer(r"\boxed{\left\{x\right.}") == r"\left\{x\right."  # escaped braces are text
+    assert extract_final_answer(r"\boxed{2} then truncated \boxed{\frac{1") == "2"
+    assert extract_final_answer("blah\nAnswer: $5$\n") == "5"
+    assert extract_final_answer("Answer: 3\nmore\nFinal Answer: \\(4\\).") == "4"
+    assert extract_final_answer(r"\boxed{1}" + "\nAnswer: 2") == "1"  # a box beats the answer line
+    assert extract_final_answer("no answer here") is None
+    assert extract_final_answer("") is None
+
+
+def test_parse_gold_bare_strings_and_cache():
+    for gold in [r"\sqrt{18}", "(x+1)^2", r"\{3,2,1\}", "B", "3/4", "10", r"\frac{1}{2}", r"Thus $\boxed{7}$."]:
+        assert any(not isinstance(p, str) for p in parse_gold(gold)), gold
+    hits = parse_gold.cache_info().hits
+    parse_gold("10")
+    assert parse_gold.cache_info().hits == hits + 1
+
+
+def test_find_unparseable_gold():
+    assert find_unparseable_gold(["42", "", "???", r"\frac{1}{2}", r"\boxed{5}", "B", "  "]) == [1, 2, 6]
+
+
+def test_length_mismatch():
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        score(["a", "b"], ["1"])
+    with pytest.raises(ValueError):
+        math_reward(["a"], [])
+
+
+HOSTILE = {
+    "tower": r"\boxed{9^{9^{9^{9^{9}}}}}",
+    "nested_parens_6000": r"\boxed{" + "(" * 6000 + "1" + ")" * 6000 + "}",
+    "nested_braces_6000": r"\boxed{" + "{" * 6000 + "1" + "}" * 6000 + "}",
+    "nested_parens_300": r"\boxed{" + "(" * 300 + "1" + ")" * 300 + "}",  # under the length cap: parsed, slowly
+    "two_megabytes": r"\boxed{" + "9" * 2_000_000 + "}",
+    "answer_line_2mb": "Answer: " + "1+" * 1_000_000,
+    "lone_surrogate": "\\boxed{\ud800}",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_is_bounded_and_counted(name):
+    start = time.monotonic()
+    scores, counts = score([HOSTILE[name]], ["1"], timeout_s=1.0)
+    assert time.monotonic() - start < 30
+    assert scores == [0.0]
+    assert counts["timeouts"] + counts["errors"] == 1, counts
+
+
+def test_no_code_execution(tmp_path):
+    target = tmp_path / "pwned"
+    attacks = [
+        rf"\boxed{{__import__('os').system('touch {target}')}}",
+        f"Answer: eval(\"open('{target}', 'w')\")",
+        rf"\boxed{{exec(\"import os; os.system('touch {target}')\")}}",
+    ]
+    scores, _ = score(attacks, ["0"] * len(attacks), timeout_s=1.0)
+    assert scores == [0.0] * len(attacks)
+    assert not target.exists()
+
+
+def test_hostile_neighbours_keep_their_scores():
+    good = [(r"\boxed{\frac{1}{2}}", "0.5"), (r"\boxed{\sqrt{18}}", r"3\sqrt{2}"), (r"\boxed{41}", "42")] * 3
+    batch = good[:4] + [(HOSTILE["tower"], "1"), (HOSTILE["nested_parens_300"], "1")] + good[4:]
+    start = time.monotonic()
+    scores, counts = score([c for c, _ in batch], [g for _, g in batch], timeout_s=2.0)
+    assert time.monotonic() - start < 30
+    assert scores == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert counts["timeouts"] + counts["errors"] == 2
+    assert math_reward([r"\boxed{42}", r"\boxed{2^{10}}"], ["42", "1024"]) == [1.0, 1.0]  # the pool still works
+
+
+def test_hung_worker_is_killed_and_replaced():
+    """A worker stuck where its own alarm cannot fire (C code) is killed by the parent; simulated with SIGSTOP."""
+    math_reward([r"\boxed{1}"], ["1.0"])  # make sure the pool exists
+    stuck = reward._POOL.workers[0]
+    os.kill(stuck.proc.pid, signal.SIGSTOP)
+    completions, golds = [rf"\boxed{{{k}/2}}" for k in range(8)], [str(k / 2) for k in range(8)]
+    start = time.monotonic()
+    scores, counts = score(completions, golds, timeout_s=2.0)
+    assert time.monotonic() - start < 30
+    assert stuck not in reward._POOL.workers and stuck.proc.poll() is not None
+    assert counts["timeouts"] == 1 and sum(scores) == 7.0  # only the item it was on is lost
+    assert math_reward(completions, golds) == [1.0] * 8
+
+
+def test_dead_worker_is_replaced():
+    math_reward([r"\boxed{1}"], ["1.0"])
+    dead = reward._POOL.workers[-1]
+    dead.proc.kill()
+    dead.proc.wait()
+    assert score([r"\boxed{2/4}"] * 6, ["0.5"] * 6) == ([1.0] * 6, {"timeouts": 0, "errors": 0, "no_answer": 0})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_workers_do_not_load_torch():
+    math_reward([r"\boxed{1}"], ["1.0"])
+    for w in reward._POOL.workers:
+        with open(f"/proc/{w.proc.pid}/maps") as f:
+            assert "torch" not in f.read()
