@@ -48,6 +48,8 @@ _START_TIMEOUT_S = 120.0
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"\\[{}]|[{}]")  # escaped braces `\{ \}` are text, not structure
 _ANSWER_LINE = re.compile(r"^[^\w\n]*(?:final[ \t]+)?answer[^\w\n:]*:(.*)$", re.IGNORECASE | re.MULTILINE)
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the R1 template's answer tags
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
@@ -78,14 +80,26 @@ def _last_boxed(text: str, limit: int | None = None) -> str | None:
 def _extract(text: str, limit: int | None) -> str | None:
     boxed = _last_boxed(text, limit)
     if boxed is None:
+        tags = _ANSWER_TAG.findall(text)
+        inner = tags[-1] if tags else text
+        boxed = _last_boxed(inner, limit) if tags else None
+        if boxed is None and tags:
+            boxed = _unwrap(inner)
+    if boxed is None:
         lines = _ANSWER_LINE.findall(text)
         boxed = _unwrap(lines[-1].strip().rstrip(".").strip("* ")) if lines else None
+    if boxed is None:  # no answer marker at all: the last number of the last non-empty line
+        last_line = text.strip().rsplit("\n", 1)[-1][-200:]
+        numbers = _NUMBER.findall(last_line)
+        boxed = numbers[-1] if numbers else None
     return boxed or None
 
 
 def extract_final_answer(text: str) -> str | None:
-    """The completion's final answer: the last `\\boxed{}`/`\\fbox{}` content (balanced braces), else the last
-    `Answer: ...` line, with `$...$`, `\\(...\\)` and `\\[...\\]` wrappers removed; None if there is none."""
+    """The completion's final answer, the first of: the last `\\boxed{}`/`\\fbox{}` content (balanced braces);
+    the last `<answer>...</answer>` (R1 template; a box inside wins); the last `Answer: ...` line (DAPO
+    template); the last number on the last line (bare answers such as "7"). `$...$`, `\\(...\\)` and
+    `\\[...\\]` wrappers are removed; None if there is none."""
     return _extract(text, None)
 
 

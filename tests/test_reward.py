@@ -69,6 +69,14 @@ def test_extract_final_answer():
     assert extract_final_answer("") is None
 
 
+def test_extract_answer_tags_and_bare_numbers():
+    assert extract_final_answer("<think>2+2</think> <answer> $4$ </answer>") == "4"  # R1 template
+    assert extract_final_answer(r"<answer>so \boxed{3}</answer>") == "3"
+    assert extract_final_answer("3+1=4") == "4"  # no marker: last number of the last line
+    assert extract_final_answer("12\nno number on the last line") is None
+    assert math_reward(["<answer>1/2</answer>", "4", "7"], ["0.5", "4", "4"]) == [1.0, 1.0, 0.0]
+
+
 def test_parse_gold_bare_strings_and_cache():
     for gold in [r"\sqrt{18}", "(x+1)^2", r"\{3,2,1\}", "B", "3/4", "10", r"\frac{1}{2}", r"Thus $\boxed{7}$."]:
         assert any(not isinstance(p, str) for p in parse_gold(gold)), gold

@@ -1,0 +1,186 @@
+"""Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, and masked
+token-level aggregation with global normalisers.
+
+Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use.
+
+Log-probs. `TokenLogProbs` wraps a Hugging Face causal LM. Its forward runs the decoder to the final hidden
+states and turns only the completion positions into log-probs, `chunk_size` rows at a time, through
+`chunked_logprobs`, a custom autograd function: the forward keeps the hidden states, the output weight and
+one logsumexp per token; the backward recomputes each chunk's logits and writes the gradient straight into
+d(hidden) and d(weight). Peak extra memory is one chunk x vocab in fp32 instead of all tokens x vocab.
+Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
+drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
+
+Aggregation. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
+micro-batches and across ranks, the normaliser must be the whole mini-batch's, or the gradient is
+re-weighted per micro-batch (the classic "per-micro-batch token-mean" bug). `grad_normalizers` computes it
+once per mini-batch with one all-reduce; `masked_aggregate` uses it. No function here reads a tensor value on
+the host, so none of them syncs with the device inside a micro-batch loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum")
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    """fp32 accumulation for half-precision models, fp64 kept for fp64 (gradient checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int):
+        n, acc = hidden.shape[0], _acc_dtype(hidden)
+        logps = torch.empty(n, dtype=acc, device=hidden.device)
+        entropy = torch.empty(n, dtype=acc, device=hidden.device)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            logits = (hidden[s : s + chunk_size] @ weight.T).to(acc) / temperature
+            lse_c = torch.logsumexp(logits, dim=-1)
+            logp_all = logits - lse_c[:, None]
+            logps[s : s + chunk_size] = logp_all.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
+            entropy[s : s + chunk_size] = -(logp_all.exp() * logp_all).sum(-1)
+            lse[s : s + chunk_size] = lse_c
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = _acc_dtype(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_logps = grad_logps.to(acc)
+        for s in range(0, hidden.shape[0], ctx.chunk_size):
+            h = hidden[s : s + ctx.chunk_size]
+            g = grad_logps[s : s + ctx.chunk_size]
+            logits = (h @ weight.T).to(acc) / ctx.temperature
+            # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
+            d_logits = torch.exp(logits - lse[s : s + ctx.chunk_size, None]).mul_(-g[:, None])
+            d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
+            d_logits.div_(ctx.temperature)
+            if need_h:
+                grad_h[s : s + ctx.chunk_size] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(d_logits.T, h.to(acc))
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+def chunked_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs of `targets` and entropies under logits `hidden @ weight.T / temperature`.
+
+    hidden: [..., H]; weight: [V, H] (a bias-free output layer); targets: [...] token ids.
+    Returns (logps, entropy), both fp32 (fp64 for fp64 inputs) of shape [...]; only logps carries a gradient.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    shape = targets.shape
+    logps, entropy = _ChunkedLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(chunk_size)
+    )
+    return logps.view(shape), entropy.view(shape)
+
+
+class TokenLogProbs(nn.Module):
+    """A causal LM whose forward returns the log-probs and entropies of the completion tokens.
+
+    Wrapping the LM in a module (rather than calling its decoder from outside) keeps DDP, FSDP and ZeRO
+    hooks working: `accelerator.prepare(TokenLogProbs(model))` and call it like any model.
+    Save the LM itself with `unwrap_model(wrapper).lm.save_pretrained(...)`.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+        head = lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("TokenLogProbs supports bias-free output layers only")
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, completion_start: int, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
+        """input_ids/attention_mask: [B, L], prompts left-padded to `completion_start` columns followed by
+        right-padded completions. Returns (logps, entropy), each [B, L - completion_start]: entry t is
+        token `completion_start + t` given everything before it."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        hidden = hidden[:, completion_start - 1 : -1]
+        targets = input_ids[:, completion_start:]
+        weight = self.lm.get_output_embeddings().weight
+        return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size)
+
+
+def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The token and sequence normalisers of one optimizer step's mini-batch.
+
+    masks: the completion masks ([b, T] each) of all micro-batches this rank will process before the
+    optimizer step. Returns (num_tokens, num_seqs) as 0-d fp32 tensors: the totals over every micro-batch of
+    every rank, divided by the world size. Each rank divides its loss sums by these, and DDP's gradient
+    *average* over ranks is then exactly the gradient of the global mean. One all-reduce, no host sync.
+    """
+    counts = torch.stack(
+        [sum(m.sum() for m in masks).float(), torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device)]
+    )
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+        world = dist.get_world_size()
+    counts = counts / world
+    return counts[0], counts[1]
+
+
+def masked_aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """Aggregates per-token `values` [B, T] over `mask` [B, T] into a scalar.
+
+    mode:
+      - "token-mean": sum of all tokens / number of tokens (DAPO).
+      - "seq-mean-token-mean": each sequence's token mean, then the mean over sequences (GRPO).
+      - "seq-mean-token-sum-norm": sum of all tokens / (number of sequences * max_len), a constant (Dr. GRPO).
+      - "sum": sum of all tokens / num_tokens (num_tokens is then any explicit normaliser, required).
+    num_tokens / num_seqs: the normalisers of the whole mini-batch (see `grad_normalizers`). When None the
+    local batch's own counts are used, so one call on a whole mini-batch returns its exact loss; when given,
+    the sum over micro-batches of the returned values equals the whole mini-batch's value.
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+        return (values * mask).sum() / denom
+    if mode == "seq-mean-token-mean":
+        denom = values.shape[0] if num_seqs is None else num_seqs
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / denom
+    if mode == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget)")
+        denom = values.shape[0] if num_seqs is None else num_seqs
+        return (values * mask).sum() / (denom * max_len)
+    if mode == "sum":
+        if num_tokens is None:
+            raise ValueError("mode 'sum' needs an explicit normaliser (num_tokens)")
+        return (values * mask).sum() / num_tokens
+    raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")

@@ -1,0 +1,25 @@
+"""Shared fixtures: the offline toy model, tokenizer and arithmetic data (built once per test session)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.toy import build_all  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def toy_assets(tmp_path_factory) -> dict[str, str]:
+    """{"model": dir, "train": jsonl, "test": jsonl} of the tiny random Qwen2 and the a+b task."""
+    return build_all(str(tmp_path_factory.mktemp("toy")))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (and vLLM where it says so); skipped on CPU")
+    config.addinivalue_line("markers", "slow: end-to-end runs of whole scripts")

@@ -1,0 +1,128 @@
+"""grpo.py's pure functions against float64 brute-force references (tests/reference.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grpo
+from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
+
+
+def make_args(**kw):
+    return grpo.Args(**{"group_size": 4, "beta": 0.0, **kw})
+
+
+def rollout(seed, groups=3, g=4, t=6):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 2, (groups * g,), generator=gen).double()
+    rewards[:g] = 1.0  # one all-correct group: its advantage must be exactly 0
+    lengths = torch.randint(1, t + 1, (groups * g,), generator=gen)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    old = -torch.rand(groups * g, t, dtype=torch.float64, generator=gen) * 3
+    logps = old + 0.4 * torch.randn(groups * g, t, dtype=torch.float64, generator=gen)  # ratios well outside 1 +- 0.2
+    ref = old + 0.1 * torch.randn(groups * g, t, dtype=torch.float64, generator=gen)
+    return rewards, mask, old, logps, ref
+
+
+def test_advantages_match_reference():
+    args = make_args()
+    rewards, *_ = rollout(0)
+    got = grpo.compute_advantages(rewards, args)
+    want = group_advantages(rewards.tolist(), 4, eps=args.adv_eps)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert (got[:4] == 0).all()
+
+
+def test_advantages_sign_and_scale():
+    args = make_args(group_size=2)
+    adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), args)
+    # two samples {1, 0}: mean 0.5, unbiased std 1/sqrt(2) -> +-0.7071
+    torch.testing.assert_close(adv, torch.tensor([0.70710, -0.70710, 0.0, 0.0]), rtol=0, atol=1e-4)
+
+
+def brute_loss(logps, old, adv, mask, args, ref=None):
+    per_token = []
+    for i in range(logps.shape[0]):
+        row = []
+        for t in range(logps.shape[1]):
+            v = ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+            if args.beta > 0:
+                v += args.beta * k3(logps[i, t].item(), ref[i, t].item())
+            row.append(v)
+        per_token.append(row)
+    return aggregate(per_token, mask.tolist(), "seq-mean-token-mean")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_policy_loss_value_and_gradient_match_reference(beta):
+    args = make_args(beta=beta)
+    rewards, mask, old, logps, ref = rollout(1)
+    adv = grpo.compute_advantages(rewards, args)
+    logps.requires_grad_(True)
+    loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args, ref_logps=ref)
+    assert abs(loss.item() - brute_loss(logps.detach(), old, adv, mask, args, ref)) < 1e-10
+    (grad,) = torch.autograd.grad(loss, logps)
+    # finite differences of the brute-force loss, token by token
+    eps = 1e-6
+    for i, t in [(4, 0), (5, 1), (8, 2), (11, 0), (6, 3)]:
+        bumped = logps.detach().clone()
+        bumped[i, t] += eps
+        fd = (brute_loss(bumped, old, adv, mask, args, ref) - brute_loss(logps.detach(), old, adv, mask, args, ref)) / eps
+        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
+    assert (grad[mask == 0] == 0).all()
+    for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):
+        assert stats[k].dim() == 0
+    if beta:
+        assert stats["kl_ref"].item() > 0
+
+
+def test_clipped_tokens_get_no_gradient_and_are_counted():
+    args = make_args()
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[0, 0] == 0 and grad[1, 0] == 0  # r=1.5 with A>0 and r=0.5 with A<0 are clipped
+    assert grad[0, 1] < 0 and grad[1, 1] > 0  # inside the trust region: push logp up for A>0, down for A<0
+    assert stats["clip_frac_high"].item() == 0.25 and stats["clip_frac_low"].item() == 0.25
+
+
+def test_on_policy_gradient_is_advantage_weighted_sequence_mean():
+    """At r = 1 the gradient w.r.t. logp_it is -A_i / (G |o_i|): the per-sequence mean, not a token mean."""
+    args = make_args(group_size=2)
+    logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, _ = grpo.compute_policy_loss(logps, logps.detach(), adv, mask, args)
+    (grad,) = torch.autograd.grad(loss, logps)
+    torch.testing.assert_close(grad[0, 0], torch.tensor(-0.5, dtype=torch.float64))
+    torch.testing.assert_close(grad[1], torch.full((4,), 0.125, dtype=torch.float64))
+
+
+def test_micro_batches_sum_to_the_mini_batch_gradient():
+    from common.loss import grad_normalizers
+
+    args = make_args(beta=0.04)
+    rewards, mask, old, logps, ref = rollout(2)
+    adv = grpo.compute_advantages(rewards, args)
+    logps.requires_grad_(True)
+    loss, _ = grpo.compute_policy_loss(logps, old, adv, mask, args, ref_logps=ref)
+    (whole,) = torch.autograd.grad(loss, logps)
+    chunks = [slice(0, 5), slice(5, 7), slice(7, 12)]
+    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
+    total = sum(
+        grpo.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=ref[c])[0]
+        for c in chunks
+    )
+    (split,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
+
+
+def test_defaults_are_the_papers():
+    a = grpo.Args()
+    assert (a.clip_eps_low, a.clip_eps_high, a.beta, a.learning_rate, a.group_size) == (0.2, 0.2, 0.04, 1e-6, 64)
+    assert a.num_mini_batches == 1 and a.ppo_epochs == 1

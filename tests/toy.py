@@ -1,0 +1,107 @@
+"""Offline test assets: a tiny Qwen2 model with random weights, a byte-level BPE tokenizer trained on the
+fly, and a synthetic arithmetic dataset (SPEC §9). Nothing is downloaded.
+
+    python -m tests.toy /tmp/toy        # writes /tmp/toy/model and /tmp/toy/{train,test}.jsonl
+
+The task is small on purpose: "a+b=" with a, b in 0..4, so a randomly initialised model gets a few
+answers right by chance and RL has a signal to amplify within a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+# Qwen-style chat template, so the `qwen-boxed` and `r1` prompt templates go through apply_chat_template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def arithmetic_rows(n: int, seed: int, max_operand: int = 4) -> list[dict[str, str]]:
+    """`n` rows {"question": "3+1=", "answer": "4"}; operands drawn uniformly from 0..max_operand."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def write_dataset(path: str, n: int = 256, seed: int = 0) -> str:
+    """Writes the arithmetic rows as JSON lines to `path` and returns it."""
+    with open(path, "w") as f:
+        for row in arithmetic_rows(n, seed):
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def build_tokenizer(out_dir: str):
+    """Trains a small byte-level BPE on arithmetic text and wraps it as a Qwen2Tokenizer (which is what
+    AutoTokenizer rebuilds for model_type qwen2, from vocab + merges)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import Qwen2Tokenizer
+
+    corpus = [f"{r['question']}{r['answer']}" for r in arithmetic_rows(2000, seed=123)]
+    corpus += ["The answer is \\boxed{7}. Answer: 3", "Solve the problem step by step. user assistant system"]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=SPECIAL_TOKENS)
+    os.makedirs(out_dir, exist_ok=True)
+    bpe.save_model(out_dir)  # vocab.json + merges.txt
+    tok = Qwen2Tokenizer(
+        vocab=os.path.join(out_dir, "vocab.json"),
+        merges=os.path.join(out_dir, "merges.txt"),
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def build_model(out_dir: str, seed: int = 0) -> str:
+    """Writes a tiny random Qwen2ForCausalLM (2 layers, hidden 64) and its tokenizer to `out_dir`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_all(root: str) -> dict[str, str]:
+    """Model dir, train and test jsonl under `root`; returns their paths."""
+    os.makedirs(root, exist_ok=True)
+    paths = {
+        "model": build_model(os.path.join(root, "model")),
+        "train": write_dataset(os.path.join(root, "train.jsonl"), n=512, seed=0),
+        "test": write_dataset(os.path.join(root, "test.jsonl"), n=64, seed=1),
+    }
+    return paths
+
+
+if __name__ == "__main__":
+    print(json.dumps(build_all(sys.argv[1] if len(sys.argv) > 1 else "/tmp/toy"), indent=1))
