@@ -1,0 +1,645 @@
+"""Sampling completions for RL: one `Sampler` interface, a vLLM engine (GPU) and a Hugging Face
+`generate` fallback (CPU, or GPU without vLLM), plus the trainer -> vLLM weight sync.
+
+    sampler = make_sampler(args.sampler, model=model, tokenizer=tok, model_name_or_path=path, seed=seed + rank)
+    completions = sampler.generate(prompt_token_ids, n=G, temperature=1.0, top_p=1.0, max_new_tokens=1024)
+    ...                                   # train on the completions
+    sampler.update_weights(unwrapped_model)   # the next generate() samples the new policy
+
+`generate` returns len(prompts) * n `Completion`s, groups contiguous: [p0 s0..s(n-1), p1 s0.., ...]. Each
+has the generated token ids (EOS included when generated, never padding), the text (special tokens
+skipped), `truncated` (the budget ran out before EOS, vLLM's finish_reason == "length") and, where the
+backend gives them cheaply, the sampler's log-prob of each generated token *after* temperature and top-p
+("processed" log-probs, what the token was actually drawn from). Both backends sample from the plain
+temperature/top-p distribution: no top-k, no repetition penalty, no defaults taken from the model's
+`generation_config.json`, so the trainer's log_softmax(logits / T) is the distribution that was sampled
+(up to top-p truncation). Temperature 0 means greedy decoding; the n completions of a group are then copies.
+
+HF backend (`HFSampler`): generates from the live policy, so `update_weights` has nothing to do.
+
+vLLM backend (`VLLMSampler`), written against vLLM 0.33.0 (see requirements.txt): one in-process engine
+per rank (`distributed_executor_backend="external_launcher"`, the colocate recipe of vLLM's torchrun
+example and of TRL), `logprobs_mode="processed_logprobs"`, prefix caching, optional sleep mode. Weights are
+pushed in place through vLLM's layerwise reload, `llm.collective_rpc("reload_weights",
+kwargs={"weights_iterator": ...})` (docs/training/layerwise.md, "Mid Level reload_weights API";
+vllm/v1/worker/gpu_model_runner.py `reload_weights`), fed lazily from `iter_weight_buckets`, which yields
+Hugging Face checkpoint names with full tensors, gathering sharded parameters (FSDP2 DTensors and DeepSpeed
+ZeRO-3 one ~1 GB bucket at a time; FSDP1 for the whole model). The GPU path has not been run in the session that wrote it (no GPU there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Completion",
+    "Sampler",
+    "HFSampler",
+    "VLLMSampler",
+    "make_sampler",
+    "iter_weight_buckets",
+    "unwrap_model",
+    "vllm_available",
+]
+
+SAMPLER_KINDS = ("auto", "vllm", "hf")
+# Attribute names that training wrappers insert into parameter names: DDP / DeepSpeed (`module.`),
+# torch.compile (`_orig_mod.`), FSDP1 (`_fsdp_wrapped_module.`), activation checkpointing.
+WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+@dataclass
+class Completion:
+    """One sampled completion."""
+
+    token_ids: list[int]
+    """generated tokens, EOS included if generated, no padding"""
+    text: str
+    """the tokens decoded with skip_special_tokens=True"""
+    truncated: bool
+    """True when generation hit max_new_tokens without EOS (vLLM finish_reason == "length")"""
+    logprobs: list[float] | None = None
+    """the sampler's log-prob of each generated token after temperature and top-p, when available"""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """What the training scripts use: generate completions, and follow the policy's weights."""
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
+    ) -> list[Completion]:
+        """Returns len(prompt_token_ids) * n completions, groups contiguous: [p0 s0..s(n-1), p1 s0.., ...]."""
+        ...
+
+    def update_weights(self, model: nn.Module) -> None:
+        """Make the sampler generate from `model`'s current weights."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model unwrapping and weight buckets (pure torch, CPU-testable)
+# --------------------------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strips training wrappers: DDP / DataParallel / DeepSpeedEngine / FSDP1 (`.module`) and torch.compile's
+    OptimizedModule (`._orig_mod`), repeatedly. FSDP2 (`fully_shard`) changes the module in place and needs
+    no unwrapping."""
+    while True:
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _clean_name(name: str) -> str:
+    """HF checkpoint name of a parameter reached through wrappers (see WRAPPER_PREFIXES)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def _named_checkpoint_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) in `module.state_dict()` order, parameters and persistent buffers, without the aliases
+    of tied weights: a tensor object reached under two names (e.g. `lm_head.weight` tied to
+    `model.embed_tokens.weight`) is yielded once, under its first name, which is the one `save_pretrained`
+    keeps. The tensors are the live ones (Parameters, possibly sharded), not copies."""
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        own = list(mod._parameters.items())
+        own += [(k, b) for k, b in mod._buffers.items() if k not in mod._non_persistent_buffers_set]
+        for name, t in own:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield _clean_name(prefix + name), t
+
+
+def _is_zero3(t: Tensor) -> bool:
+    return hasattr(t, "ds_id")  # DeepSpeed ZeRO-3 partitioned parameter
+
+
+def _full_nbytes(t: Tensor) -> int:
+    """Bytes of the full (unsharded) tensor."""
+    numel = t.ds_numel if _is_zero3(t) else t.numel()  # DTensor.numel() is the global numel
+    return int(numel) * t.element_size()
+
+
+def _materialize(t: Tensor, copy: bool = False) -> Tensor:
+    """The full tensor behind a (possibly sharded) parameter, detached. Call inside the gather context.
+
+    ZeRO-3 and FSDP1 free the gathered storage when their context exits, while the consumer may hold on to
+    the tensor a little longer (vLLM buffers a layer until all of its weights arrived), so those are copied
+    (`copy=True` for FSDP1)."""
+    if _is_zero3(t):
+        return t.data.detach().clone()
+    t = t.detach()
+    if copy:
+        return t.clone()
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - very old torch
+        DTensor = ()  # type: ignore[assignment]
+    if isinstance(t, DTensor):
+        if t.device.type == "cpu" and torch.cuda.is_available():  # CPU-offloaded FSDP2 shards, NCCL gathers
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        t = t.full_tensor()
+    return t
+
+
+def _fsdp1_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP1 (FullyShardedDataParallel) wrapper on the path `unwrap_model` walks, if any."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return None
+    m = model
+    while True:
+        if isinstance(m, FSDP):
+            return m
+        if isinstance(getattr(m, "_orig_mod", None), nn.Module):
+            m = m._orig_mod
+        elif isinstance(getattr(m, "module", None), nn.Module):
+            m = m.module
+        else:
+            return None
+
+
+def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
+    """Yields the policy's weights as lists of (HF checkpoint name, full tensor), about `bucket_bytes` each.
+
+    Names are those of the saved checkpoint (`save_pretrained`'s safetensors keys): the keys of the
+    unwrapped model's `state_dict()`, minus the aliases of tied weights: a tied `lm_head.weight` is not
+    sent, as the checkpoint omits it; vLLM 0.33's AutoWeightsLoader would skip it anyway, and raises when an
+    alias arrives in a `load_weights` call without its canonical `embed_tokens` name. Wrapper
+    prefixes (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`) never appear.
+    Tensors are full, whatever the sharding: DTensor (FSDP2) via `full_tensor()` per tensor, DeepSpeed
+    ZeRO-3 via `deepspeed.zero.GatheredParameters` on the whole bucket (untested here: no deepspeed), FSDP1
+    via `summon_full_params` on the whole model (so the full model is resident while iterating). Unsharded
+    tensors are the live parameters, detached, not copies; gathered ZeRO-3 / FSDP1 storage is freed by
+    those libraries when their context exits, so those tensors are copied and stay valid after the
+    iteration. dtype and device are the trainer's; the consumer casts.
+
+    A bucket holds whole tensors, at most `bucket_bytes` of them, except a single tensor larger than that,
+    which gets a bucket of its own. Order is `state_dict` order, so each layer's weights arrive together
+    (what vLLM's layerwise reload wants). Every rank must iterate in step: the gathers are collective.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    fsdp1 = _fsdp1_root(model)
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if fsdp1 is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        ctx = FSDP.summon_full_params(fsdp1, writeback=False, recurse=True)
+    with ctx:
+        items = list(_named_checkpoint_tensors(unwrap_model(model)))
+        buckets: list[list[tuple[str, Tensor]]] = []
+        size = 0
+        for name, t in items:
+            nbytes = _full_nbytes(t)
+            if not buckets or (size + nbytes > bucket_bytes and buckets[-1]):
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, t))
+            size += nbytes
+        for bucket in buckets:
+            zero3 = [t for _, t in bucket if _is_zero3(t)]
+            gather: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if zero3:
+                import deepspeed  # only reachable when the parameters are ZeRO-3 partitioned
+
+                gather = deepspeed.zero.GatheredParameters(zero3, modifier_rank=None)
+            with gather, torch.no_grad():
+                yield [(name, _materialize(t, copy=fsdp1 is not None)) for name, t in bucket]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hugging Face generate backend
+# --------------------------------------------------------------------------------------------------------
+
+
+class _ProcessedLogProbs:
+    """Logits processor that applies temperature and top-p itself (HF then samples from its output) and
+    records the log-prob of each sampled token under that processed distribution.
+
+    At step t it sees the token drawn at step t-1 as `input_ids[:, -1]` and gathers its log-prob from the
+    distribution it returned at step t-1; the last token is gathered by `finish`. Memory: one [rows, vocab]
+    fp32 tensor, kept between steps."""
+
+    def __init__(self, temperature: float, top_p: float):
+        from transformers import TopPLogitsWarper
+
+        self.temperature = temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.prev: Tensor | None = None
+        self.steps: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        scores = scores.float()
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        self.prev = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """[rows, steps] log-probs of the generated tokens (garbage after EOS, cut by the caller)."""
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(1, sequences[:, -1:]).squeeze(1))
+        self.prev = None
+        if not self.steps:
+            return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+        return torch.stack(self.steps, dim=1)
+
+
+@contextlib.contextmanager
+def _quiet_generation():
+    """Silences transformers' generation-config chatter (warnings and logger lines) for one call."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
+    """The tokenizer's EOS plus every EOS of the model's generation config (e.g. Qwen's <|endoftext|>)."""
+    ids: list[int] = []
+    cands: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    cands += list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    for i in cands:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id and the model's generation_config none either")
+    return ids
+
+
+class HFSampler:
+    """`model.generate` on the live policy (CPU, or GPU without vLLM).
+
+    `model` is the policy being trained, possibly wrapped (DDP / DeepSpeed / torch.compile: unwrapped
+    here); generation reads its current weights, so `update_weights` is a no-op. Prompts go in batches of
+    `batch_size` prompts, left-padded, each encoded once and expanded to n rows by
+    `num_return_sequences=n`, with the KV cache on. The model is switched to eval() under torch.no_grad()
+    for the call and every submodule's train/eval mode is restored afterwards.
+
+    Sampling is plain temperature + top-p (top_k=0: transformers' hidden top_k=50 default is off), with
+    none of the model's generation_config.json sampling defaults; temperature <= 0 is greedy. Each call
+    seeds the CPU RNG and the model device's RNG with `seed + call index` inside `torch.random.fork_rng`:
+    calls are reproducible given the seed and call order, and the global RNG state is left untouched. Log-
+    probs are the processed ones (after temperature and top-p), recorded during sampling at the cost of one
+    log_softmax per step; for greedy decoding they are log_softmax(logits). Under FSDP / ZeRO-3 every rank
+    must call `generate` with the same number of prompts (transformers syncs the ranks' forward passes).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 64, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.seed = seed
+        self.calls = 0
+        gen_model = unwrap_model(model)
+        self.eos_token_ids = _eos_ids(tokenizer, gen_model)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+
+    def update_weights(self, model: nn.Module) -> None:
+        """No-op: `generate` always runs the live policy, so it already has the current weights."""
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
+    ) -> list[Completion]:
+        """See `Sampler.generate`."""
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        model = unwrap_model(self.model)
+        device = next(model.parameters()).device
+        seed = self.seed + self.calls
+        self.calls += 1
+        modes = [(m, m.training) for m in model.modules()]
+        fork_devices = []  # fork_rng restores the CPU RNG and these CUDA devices' RNGs
+        if device.type == "cuda":
+            fork_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        out: list[Completion] = []
+        try:
+            model.eval()
+            with torch.random.fork_rng(devices=fork_devices), torch.no_grad(), _quiet_generation():
+                torch.random.default_generator.manual_seed(seed)
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        torch.cuda.manual_seed(seed)
+                for i in range(0, len(prompt_token_ids), self.batch_size):
+                    chunk = prompt_token_ids[i : i + self.batch_size]
+                    out += self._generate_batch(model, device, chunk, n, temperature, top_p, max_new_tokens)
+        finally:
+            for m, training in modes:
+                m.training = training
+        return out
+
+    def _generate_batch(
+        self, model: nn.Module, device: torch.device, prompts: Sequence[Sequence[int]], n: int,
+        temperature: float, top_p: float, max_new_tokens: int,
+    ) -> list[Completion]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: the last prompt token is at the same column
+            ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            attn[row, width - len(p) :] = 1
+        greedy = temperature <= 0
+        rows = 1 if greedy else n  # greedy: one decode per prompt, copied n times below
+        # Everything that shapes the distribution is explicit; the temporary empty model generation config
+        # below keeps the checkpoint's generation_config.json (top_k, repetition_penalty, ...) out.
+        config = GenerationConfig(
+            do_sample=not greedy, num_beams=1, num_return_sequences=rows, max_new_tokens=max_new_tokens,
+            temperature=1.0, top_p=1.0, top_k=0, eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id, use_cache=True, return_dict_in_generate=True,
+        )
+        recorder = _ProcessedLogProbs(1.0 if greedy else temperature, 1.0 if greedy else top_p)
+        saved = model.generation_config
+        model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
+        try:
+            res = model.generate(
+                input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        finally:
+            model.generation_config = saved
+        gen = res.sequences[:, width:].cpu()
+        logps = recorder.finish(res.sequences).cpu()
+        eos = torch.tensor(self.eos_token_ids)
+        completions: list[Completion] = []
+        for r in range(gen.shape[0]):
+            toks = gen[r].tolist()
+            hits = torch.isin(gen[r], eos).nonzero()
+            end = int(hits[0]) + 1 if len(hits) else len(toks)
+            toks = toks[:end]
+            c = Completion(
+                token_ids=toks,
+                text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                truncated=not len(hits),
+                logprobs=logps[r, :end].tolist(),
+            )
+            completions += [c] if not greedy else [_copy(c) for _ in range(n)]
+        return completions
+
+
+def _copy(c: Completion) -> Completion:
+    return Completion(list(c.token_ids), c.text, c.truncated, None if c.logprobs is None else list(c.logprobs))
+
+
+# --------------------------------------------------------------------------------------------------------
+# vLLM backend (GPU). Written against vLLM 0.33.0; vllm is imported lazily.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ensure_dist_env() -> None:
+    """external_launcher reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
+    environment (it joins torch.distributed through env://). torchrun and multi-process `accelerate launch`
+    set them; a plain `python script.py` or a 1-process launch may not, so fill in the single-process values,
+    or the initialised process group's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world > 1:
+            raise RuntimeError("MASTER_PORT is not set in a multi-process run; launch with torchrun or accelerate")
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+class VLLMSampler:
+    """An in-process vLLM engine on this rank's GPU (colocated with training). Written against vLLM 0.33.0.
+
+    One `LLM(..., distributed_executor_backend="external_launcher")` per rank: each rank generates for its
+    own prompts (data-parallel generation). Give every rank its own `seed` (the scripts pass seed + rank);
+    with tensor_parallel_size > 1 the ranks of one TP group need the same seed and the same prompts. Build
+    it before the policy and the optimizer take GPU memory: vLLM profiles memory at start-up, and
+    `gpu_memory_utilization` is the fraction of the whole GPU it takes (weights + KV cache).
+
+    Log-probs are `logprobs_mode="processed_logprobs"`: after temperature and top-p, what the token was drawn
+    from. They differ from the trainer's by kernel and precision noise (and by top-p renormalisation): log
+    the difference as a stale-weights canary, do not use them as old log-probs silently.
+
+    `update_weights(model)` streams `iter_weight_buckets(model, bucket_bytes)` into
+    `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`,
+    vLLM's layerwise in-place reload (docs/training/layerwise.md; vllm/model_executor/model_loader/reload/):
+    weights arrive in checkpoint format and are fused, sharded, processed (quantisation) and copied into the
+    existing storage, so CUDA graphs stay valid. In-process the iterator is passed by reference, so nothing
+    is serialised. `weight_sync="load_weights"` instead calls the model's `load_weights(bucket)` directly
+    through `llm.apply_model` (TRL's and most colocate recipes' route; fine for bf16/fp16 dense models, wrong
+    for online-quantised ones). Then `reset_prefix_cache()`, since cached KV came from the old weights.
+
+    Sleep mode (`enable_sleep_mode=True`): `sleep()` frees the GPU memory while training (level 1: weights to
+    CPU, KV cache dropped; level 2: both dropped). `update_weights` wakes the weights first, pushes, then
+    wakes the KV cache (vLLM's documented RL order: no old+new weights+KV peak). After a level-2 sleep the
+    weights are garbage until pushed, so `generate` refuses to run before `update_weights`.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        *,
+        seed: int,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        max_model_len: int = 4096,
+        enable_sleep_mode: bool = False,
+        enable_prefix_caching: bool = True,
+        dtype: str = "bfloat16",
+        sleep_level: Literal[1, 2] = 1,
+        weight_sync: Literal["reload_weights", "load_weights"] = "reload_weights",
+        bucket_bytes: int = 1 << 30,
+        **llm_kwargs: Any,
+    ):
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        if weight_sync not in ("reload_weights", "load_weights"):
+            raise ValueError(f"weight_sync must be 'reload_weights' or 'load_weights', got {weight_sync!r}")
+        _ensure_dist_env()
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_name_or_path,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            dtype=dtype,
+            **llm_kwargs,
+        )
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = sleep_level
+        self.weight_sync = weight_sync
+        self.bucket_bytes = bucket_bytes
+        self._weights_valid = True  # False after a level-2 sleep until the next update_weights
+
+    # sleep mode ---------------------------------------------------------------------------------------
+    def is_sleeping(self) -> bool:
+        return bool(self.llm.llm_engine.is_sleeping())
+
+    def sleep(self, level: int | None = None) -> None:
+        """Frees vLLM's GPU memory for training (`level` defaults to the constructor's `sleep_level`)."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep() needs the engine built with enable_sleep_mode=True")
+        level = self.sleep_level if level is None else level
+        self.llm.sleep(level=level)
+        if level >= 2:
+            self._weights_valid = False
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocates `tags` ("weights", "kv_cache"; None: all)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # fragmentation from training otherwise makes the wake-up OOM
+        self.llm.wake_up(tags=tags)
+
+    # Sampler -----------------------------------------------------------------------------------------
+    def update_weights(self, model: nn.Module) -> None:
+        """Pushes `model`'s current weights into the engine (see the class docstring); call it on every rank."""
+        sleeping = self.enable_sleep_mode and self.is_sleeping()
+        if sleeping:
+            self.wake_up(tags=["weights"])  # weights before KV cache: never old + new weights + KV at once
+        if self.weight_sync == "reload_weights":
+            weights = (item for bucket in iter_weight_buckets(model, self.bucket_bytes) for item in bucket)
+            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        else:
+            for bucket in iter_weight_buckets(model, self.bucket_bytes):
+                self.llm.apply_model(lambda m, b=bucket: m.load_weights(b))
+        if sleeping:
+            self.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
+        self._weights_valid = True
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
+    ) -> list[Completion]:
+        """See `Sampler.generate`. Wakes a sleeping engine (after a level-2 sleep, only `update_weights` may)."""
+        from vllm import SamplingParams
+
+        if self.enable_sleep_mode and self.is_sleeping():
+            if not self._weights_valid:
+                raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights first")
+            self.wake_up()
+        greedy = temperature <= 0  # vLLM requires n == 1 for greedy sampling: decode once, copy n times
+        params = SamplingParams(
+            n=1 if greedy else n,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0,
+            max_tokens=max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            flat_logprobs=True,
+            detokenize=True,
+            skip_special_tokens=True,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        completions: list[Completion] = []
+        for out in outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                comp = Completion(
+                    token_ids=list(c.token_ids),
+                    text=c.text,
+                    truncated=c.finish_reason == "length",
+                    logprobs=_sampled_logprobs(c.logprobs, c.token_ids),
+                )
+                completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
+        return completions
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float] | None:
+    """The sampled tokens' log-probs from a vLLM CompletionOutput.logprobs (FlatLogprobs or list of dicts)."""
+    if logprobs is None:
+        return None
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids is not None and len(flat_ids) == len(token_ids) and list(flat_ids) == list(token_ids):
+        return list(logprobs.logprobs)  # fast path: logprobs=0 gives exactly the sampled token per position
+    return [float(logprobs[i][t].logprob) for i, t in enumerate(token_ids)]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Choosing a backend
+# --------------------------------------------------------------------------------------------------------
+
+
+def vllm_available() -> bool:
+    """True when CUDA is available and `import vllm` works."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install counts as unavailable
+        logging.getLogger(__name__).debug("vllm import failed", exc_info=True)
+        return False
+    return True
+
+
+def make_sampler(
+    kind: str, *, model: nn.Module, tokenizer: Any, model_name_or_path: str, seed: int,
+    hf_batch_size: int = 64, **vllm_kwargs: Any,
+) -> Sampler:
+    """The `--sampler` flag: "vllm", "hf", or "auto" (vLLM when CUDA is available and `import vllm` works,
+    else HF generate). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization, tensor_parallel_size,
+    max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine loads
+    `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`."""
+    if kind not in SAMPLER_KINDS:
+        raise ValueError(f"--sampler must be one of {', '.join(SAMPLER_KINDS)}; got {kind!r}")
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "vllm":
+        if not vllm_available():
+            raise RuntimeError(
+                "--sampler vllm needs a CUDA GPU and the vllm package (pip install -r requirements.txt); "
+                "use --sampler hf (or auto) without them"
+            )
+        return VLLMSampler(model_name_or_path, seed=seed, **vllm_kwargs)
+    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed)
