@@ -1,0 +1,66 @@
+"""Worker for tests/test_distributed.py: one gradient of a script's `update_policy` on a fixed rollout.
+
+    python tests/dist_worker.py SCRIPT OUT_DIR MODEL_DIR MICRO_BATCH [key=value ...]
+    torchrun --nproc_per_node 2 tests/dist_worker.py ...
+
+Every rank builds the same fixed rollout (ids, masks, rewards), computes the advantages on all of it, keeps
+its own contiguous share of whole groups and runs the script's update with SGD(lr=1) and no clipping, so
+params_before - params_after is exactly the gradient DDP produced. Rank 0 saves it with the world size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from common.loss import TokenLogProbs
+
+    script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
+    mod = importlib.import_module(script)
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    args = mod.Args(group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6)
+    for k, v in overrides.items():
+        setattr(args, k, type(getattr(args, k))(v))
+
+    g = torch.Generator().manual_seed(0)
+    n, p_len, c_len = 16, 3, 6
+    ids = torch.randint(3, 200, (n, p_len + c_len), generator=g)
+    lengths = torch.randint(1, c_len + 1, (n,), generator=g)
+    mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
+    attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    advantages = mod.compute_advantages(rewards, args)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    policy = TokenLogProbs(model)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    share = slice(rank * n // world, (rank + 1) * n // world)
+    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "advantages": advantages[share]}
+    if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
+        batch["ref_logps"] = (-torch.rand(n, c_len, generator=g, dtype=torch.float64) * 6)[share]
+    mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+    after = dict(accelerator.unwrap_model(policy).lm.named_parameters())
+    grad = {k: before[k] - after[k].detach() for k in before}
+    if accelerator.is_main_process:
+        torch.save({"world_size": world, "grad": grad}, os.path.join(out_dir, f"grad_{script}_{world}_{micro}.pt"))
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
