@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import math
 import os
 import random
+import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -38,6 +41,7 @@ import torch
 import tyro
 
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
+from common.metrics import completion_stats, majority_correct, pass_at_k
 from common.reward import extract_final_answer, find_unparseable_gold, score
 from common.sampling import make_sampler
 
@@ -309,28 +313,18 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return ids, attn, attn[:, p_len:].clone(), p_len
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021) from n samples with c correct."""
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
-    """avg@k, pass@k and maj@k (cons@k) of every evaluation set, k = --eval-samples."""
+    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
     metrics, k = {}, args.eval_samples
     for name, (prompts, golds) in eval_sets.items():
-        outs = sampler.generate(prompts, k, args.eval_temperature, args.top_p if args.eval_temperature > 0 else 1.0, args.eval_max_new_tokens)
-        texts = [o.text for o in outs]
+        top_p = args.top_p if args.eval_temperature > 0 else 1.0
+        texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
         correct, _ = score(texts, [g for g in golds for _ in range(k)])
-        avg, pas, maj = [], [], []
-        for q in range(len(prompts)):
-            c = correct[q * k : (q + 1) * k]
-            votes: dict[str, list[float]] = {}
-            for t, ci in zip(texts[q * k : (q + 1) * k], c):
-                votes.setdefault(extract_final_answer(t) or "", []).append(ci)
-            top = max(votes.items(), key=lambda kv: (len(kv[1]) if kv[0] else 0, kv[1][0]))  # most votes, ties: correct first
-            avg.append(sum(c) / k), pas.append(pass_at_k(k, int(sum(c)), k)), maj.append(top[1][0])
-        short = os.path.basename(name.rstrip("/")).split(".")[0]
-        metrics.update({f"eval/{short}/avg@{k}": float(np.mean(avg)), f"eval/{short}/pass@{k}": float(np.mean(pas)), f"eval/{short}/maj@{k}": float(np.mean(maj))})
+        groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
+        short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
+        metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
+        metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
+        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct([extract_final_answer(t) for t in ts], c) for ts, c in groups]))
     return metrics
 
 
@@ -349,7 +343,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     ids, attn, mask, advantages = batch["ids"], batch["attn"], batch["mask"], batch["advantages"]
     n, device = ids.shape[0], ids.device
     sums: dict[str, torch.Tensor] = {}
-    grad_norms, skipped = [], 0
+    grad_norms, skipped, canary = [], 0, []
     mb_size = n // args.num_mini_batches
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch)).to(device)
@@ -364,6 +358,8 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                     loss, stats = compute_policy_loss(logps, old, advantages[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=ref)
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, mask[c], "token-mean", num_tokens=num_tokens)
+                if "sampler_logps" in batch and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
+                    canary.append(((logps.detach() - batch["sampler_logps"][c]).abs() * mask[c]).flatten())
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
@@ -375,22 +371,30 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             grad_norms.append(grad_norm.detach().float())
+    if canary:
+        diffs = torch.cat(canary)
+        sums["logprob_diff_max"] = diffs.max()
+        sums["logprob_diff_mean"] = diffs.sum() / mask[perm[:mb_size]].sum().clamp(min=1)
     return sums, torch.stack(grad_norms).mean(), skipped
 
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: validation before anything is written
     from accelerate import Accelerator
-    from accelerate.utils import broadcast_object_list
+    from accelerate.utils import broadcast_object_list, gather_object
     from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
-    if args.max_new_tokens < 1 or args.total_steps < 1 or args.micro_batch_size < 1:
-        raise SystemExit("--max-new-tokens, --total-steps and --micro-batch-size must be >= 1")
+    if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
+        raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
     if args.temperature <= 0:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.total_steps == 0 and args.eval_every <= 0:
+        raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
+    if args.vllm_enable_sleep_mode and args.sampler == "hf":
+        raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -398,12 +402,13 @@ def main(args: Args) -> None:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}")
     if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
         raise SystemExit(f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions")
-    if args.resume and not os.path.isdir(os.path.join(args.resume, "checkpoints")):
-        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with checkpoints")
+    if args.resume and not glob.glob(os.path.join(args.resume, "checkpoints", "step_*", "trainer.json")):
+        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
@@ -414,11 +419,6 @@ def main(args: Args) -> None:
             qs, ans = load_rows(name, None, "test", args.eval_prompt_column, args.eval_answer_column, "--eval-datasets")
             n = args.eval_limit or len(qs)
             eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets")
-
-    # TRY NOT TO MODIFY: seeding, run directory, logging
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     if args.resume:
         run_dir = args.resume.rstrip("/")
     else:
@@ -426,6 +426,16 @@ def main(args: Args) -> None:
         run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
         if os.path.exists(run_dir):
             raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
+        parent = os.path.abspath(args.output_dir)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable")
+
+    # TRY NOT TO MODIFY: seeding, run directory, logging
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     writer = None
     if accelerator.is_main_process:
         os.makedirs(run_dir, exist_ok=True)
@@ -435,10 +445,6 @@ def main(args: Args) -> None:
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
 
     # TRY NOT TO MODIFY: models, optimizer, sampler
-    try:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {e}") from None
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -458,27 +464,41 @@ def main(args: Args) -> None:
         ref_policy = TokenLogProbs(ref_model, chunk_size=args.logprob_chunk_size).to(accelerator.device)
     start_step = 0
     if args.resume:
-        ckpts = sorted(os.listdir(os.path.join(run_dir, "checkpoints")), key=lambda d: int(d.split("_")[-1]))
-        last = os.path.join(run_dir, "checkpoints", ckpts[-1])
+        last = max(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
+        last = os.path.dirname(last)
         accelerator.load_state(os.path.join(last, "state"))
         with open(os.path.join(last, "trainer.json")) as f:
-            start_step = json.load(f)["step"]
+            state = json.load(f)
+        start_step = state["step"]
+        sampler.load_state_dict(state["sampler"][rank])
         sampler.update_weights(accelerator.unwrap_model(policy).lm)
+        if accelerator.is_main_process:  # forget what was logged after the checkpoint: it is about to be redone
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                path = os.path.join(run_dir, name)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows = [r for r in f if json.loads(r)["step"] < start_step]
+                    with open(path, "w") as f:
+                        f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
 
     def save_checkpoint(step: int) -> None:
-        ckpt = os.path.join(run_dir, "checkpoints", f"step_{step}")
-        accelerator.save_state(os.path.join(ckpt, "state"))
+        """checkpoints/step_<k>/{model (Hugging Face format), state (accelerate), trainer.json}, written to a
+        temporary directory and renamed, so a kill mid-save never leaves a half checkpoint behind."""
+        final = os.path.join(run_dir, "checkpoints", f"step_{step}")
+        tmp = final + ".tmp"
+        accelerator.save_state(os.path.join(tmp, "state"))
+        samplers = gather_object([sampler.state_dict()])
         if accelerator.is_main_process:
-            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(ckpt, "model"))
-            tokenizer.save_pretrained(os.path.join(ckpt, "model"))
-            with open(os.path.join(ckpt, "trainer.json"), "w") as f:
-                json.dump({"step": step}, f)
-            old = sorted(os.listdir(os.path.join(run_dir, "checkpoints")), key=lambda d: int(d.split("_")[-1]))
-            for d in old[: -args.keep_checkpoints]:
-                import shutil
-
-                shutil.rmtree(os.path.join(run_dir, "checkpoints", d), ignore_errors=True)
+            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"))
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+            with open(os.path.join(tmp, "trainer.json"), "w") as f:
+                json.dump({"step": step, "sampler": samplers}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
+            for old in done[: -args.keep_checkpoints]:
+                shutil.rmtree(os.path.dirname(old), ignore_errors=True)
         accelerator.wait_for_everyone()
 
     def log(metrics: dict[str, float], step: int) -> None:
@@ -488,6 +508,14 @@ def main(args: Args) -> None:
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
 
+    stop = []  # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
+    if args.total_steps == 0:  # evaluation only, e.g. of a saved checkpoint's model/ directory
+        log(evaluate(sampler, eval_sets, tokenizer, args), 0)
+        accelerator.print(f"done: {run_dir}")
+        return
+
     bad_steps, start_time = 0, time.time()
     for step in range(start_step, args.total_steps):
         t0 = time.time()
@@ -496,6 +524,8 @@ def main(args: Args) -> None:
         prompts = [train_prompts[i] for i in idx]
         golds = [train_golds[i] for i in idx for _ in range(args.group_size)]
         completions = sampler.generate(prompts, args.group_size, args.temperature, args.top_p, args.max_new_tokens)
+        if args.vllm_enable_sleep_mode:
+            sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
         t_gen = time.time() - t0
         texts = [c.text for c in completions]
         correct, reward_info = score(texts, golds)
@@ -512,15 +542,20 @@ def main(args: Args) -> None:
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
         ids, attn, mask, p_len = pad_batch([p for p in prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id)
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages}
+        if all(c.logprobs is not None for c in completions):  # the sampler's own log-probs, for the canary only
+            batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in completions], device=device)
+        has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
-            if args.num_mini_batches * args.ppo_epochs > 1:  # several updates per rollout: freeze pi_old once
+            if args.num_mini_batches * args.ppo_epochs > 1 and has_signal:  # several updates per rollout: freeze pi_old once
                 batch["old_logps"] = compute_logps(policy, batch, args)
-            if ref_policy is not None:
+            if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args)
         t_old = time.time() - t0 - t_gen - t_reward
 
         # TRAIN: mini-batches of the rollout, each split into micro-batches with one global normaliser
-        sums, grad_norm, skipped = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
+        sums, grad_norm, skipped = {}, torch.zeros(()), 0
+        if has_signal:  # a rollout where every group's rewards are equal has no advantage anywhere: no update
+            sums, grad_norm, skipped = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
         bad_steps = bad_steps + skipped if skipped else 0
         if skipped:
             accelerator.print(f"step {step}: {skipped} update(s) skipped for a non-finite loss or gradient norm")
@@ -531,7 +566,7 @@ def main(args: Args) -> None:
         t_sync = time.time() - t0 - t_gen - t_reward - t_old - t_train
 
         # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
-        g = lambda x: accelerator.gather(x.float().reshape(-1))  # noqa: E731
+        g = lambda x: (lambda y: y[~y.isnan()])(accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))))  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
         counts = {k: g(v).mean().item() for k, v in sums.items()}
@@ -543,13 +578,15 @@ def main(args: Args) -> None:
             "train/accuracy": all_correct.mean().item(),
             "train/response_length_mean": all_len.mean().item(),
             "train/response_length_max": all_len.max().item(),
-            "train/response_length_correct": all_len[all_correct > 0].mean().item() if (all_correct > 0).any() else 0.0,
-            "train/response_length_incorrect": all_len[all_correct == 0].mean().item() if (all_correct == 0).any() else 0.0,
+            "train/response_length_correct": all_len[all_correct > 0].mean().item() if (all_correct > 0).any() else float("nan"),
+            "train/response_length_incorrect": all_len[all_correct == 0].mean().item() if (all_correct == 0).any() else float("nan"),
             "train/truncated_frac": g(truncated).mean().item(),
             "train/groups_all_correct": (group_acc == 1).float().mean().item(),
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
+            **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size).items()},
             **{f"train/{k}": v for k, v in counts.items()},
+            "train/no_signal": float(not has_signal),
             "train/grad_norm": grad_norm.item(),
             "train/skipped_updates": float(skipped),
             "train/lr": scheduler.get_last_lr()[0],
@@ -576,8 +613,12 @@ def main(args: Args) -> None:
             f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} acc {metrics['train/accuracy']:.3f} "
             f"len {metrics['train/response_length_mean']:.1f} {step_time:.2f}s/step eta {eta / 60:.1f}min"
         )
-        if args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps:
+        stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0
+        if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
             save_checkpoint(step + 1)
+        if stopping:
+            accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
+            return
 
     save_checkpoint(args.total_steps)
     if writer is not None:

@@ -84,6 +84,15 @@ class Sampler(Protocol):
 
     def update_weights(self, model: nn.Module) -> None:
         """Make the sampler generate from `model`'s current weights."""
+
+    def sleep(self) -> None:
+        """Free the sampler's accelerator memory while training (no-op where there is nothing to free)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep for a resumed run to sample as the uninterrupted one would."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict()`."""
         ...
 
 
@@ -335,6 +344,17 @@ class HFSampler:
     def update_weights(self, model: nn.Module) -> None:
         """No-op: `generate` always runs the live policy, so it already has the current weights."""
 
+    def sleep(self) -> None:
+        """No-op (there is no separate engine to put to sleep)."""
+
+    def state_dict(self) -> dict[str, int]:
+        """The call counter that seeds the next `generate`: saved in checkpoints so a resumed run samples
+        exactly what the uninterrupted run would have."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
     ) -> list[Completion]:
@@ -541,6 +561,13 @@ class VLLMSampler:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # fragmentation from training otherwise makes the wake-up OOM
         self.llm.wake_up(tags=tags)
+
+    def state_dict(self) -> dict[str, int]:
+        """Nothing to restore: vLLM's sampling RNG lives in the engine, so a resumed run samples afresh."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
 
     # Sampler -----------------------------------------------------------------------------------------
     def update_weights(self, model: nn.Module) -> None:

@@ -1,0 +1,80 @@
+"""What a run shows beyond reward: completion statistics and evaluation scores (SPEC §7, seeds/000 误区三).
+
+Pure functions of completion texts and 0/1 correctness, shared by every script's logging and evaluation.
+No algorithm reads them: they only describe what the policy is doing.
+
+- repetition: the fraction of a completion's word n-grams that repeat an earlier n-gram (0 = no loop).
+- within-group diversity: distinct word n-grams / total n-grams over a group's completions (1 = all different).
+- reflection words ("wait", "however", "let me check", ...): how often completions use them, and accuracy with
+  and without them (the "aha moment" question: does reflecting go with being right?).
+- evaluation: avg@k, unbiased pass@k (Chen et al. 2021) and maj@k (cons@k: majority vote over final answers).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+REFLECTION_WORDS = ("wait", "however", "but", "let me check", "let me verify", "re-evaluate", "recheck", "mistake", "alternatively", "double-check")
+_REFLECTION = re.compile(r"\b(" + "|".join(re.escape(w) for w in REFLECTION_WORDS) + r")\b", re.IGNORECASE)
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """Word-level n-grams (words and punctuation marks are tokens, lower-cased)."""
+    words = [w.lower() for w in _WORD.findall(text)]
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def repetition_rate(text: str, n: int = 4) -> float:
+    """Fraction of the text's n-grams that already occurred earlier in it (0 when it has none)."""
+    grams = ngrams(text, n)
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def distinct_ngrams(texts: Sequence[str], n: int = 2) -> float:
+    """Distinct n-grams / all n-grams over `texts` (1.0 when there are none)."""
+    grams = [g for t in texts for g in ngrams(t, n)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def has_reflection(text: str) -> bool:
+    """Whether the text uses one of REFLECTION_WORDS (whole words, any case)."""
+    return _REFLECTION.search(text) is not None
+
+
+def completion_stats(texts: Sequence[str], correct: Sequence[float], group_size: int) -> dict[str, float]:
+    """Per-step text statistics of a rollout whose groups of `group_size` are contiguous."""
+    refl = [has_reflection(t) for t in texts]
+    with_r = [c for c, r in zip(correct, refl) if r]
+    without = [c for c, r in zip(correct, refl) if not r]
+    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
+    return {
+        "repetition_rate": float(np.mean([repetition_rate(t) for t in texts])) if texts else 0.0,
+        "group_distinct_2gram": float(np.mean([distinct_ngrams(g, 2) for g in groups])) if groups else 1.0,
+        "reflection_frac": float(np.mean(refl)) if texts else 0.0,
+        "accuracy_with_reflection": float(np.mean(with_r)) if with_r else float("nan"),
+        "accuracy_without_reflection": float(np.mean(without)) if without else float("nan"),
+    }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@k needs k <= n, got k={k}, n={n}")
+    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) -> float:
+    """maj@k: the correctness of the most frequent final answer among the samples (None = no answer, never
+    voted for). Ties between equally frequent answers count as the mean correctness of the tied answers."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    tied = [a for a, v in votes.items() if v == top]
+    score = {a: c for a, c in zip(answers, correct) if a is not None}
+    return float(np.mean([score[a] for a in tied]))

@@ -1,0 +1,52 @@
+"""common/metrics.py against hand-computed values and closed forms."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from common.metrics import completion_stats, distinct_ngrams, has_reflection, majority_correct, pass_at_k, repetition_rate
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (4, 4, 2), (8, 1, 8), (16, 5, 4)])
+def test_pass_at_k_equals_closed_form_and_enumeration(n, c, k):
+    closed = 1 - math.comb(n - c, k) / math.comb(n, k)
+    samples = [1] * c + [0] * (n - c)  # every k-subset of the n samples, equally likely
+    enumerated = sum(any(samples[i] for i in s) for s in itertools.combinations(range(n), k)) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(closed, abs=1e-12)
+    assert pass_at_k(n, c, k) == pytest.approx(enumerated, abs=1e-12)
+
+
+def test_pass_at_k_rejects_k_above_n():
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_majority_vote_and_ties():
+    assert majority_correct(["4", "4", "5"], [1, 1, 0]) == 1.0
+    assert majority_correct(["5", "5", "4"], [0, 0, 1]) == 0.0
+    assert majority_correct(["4", "5"], [1, 0]) == 0.5  # a tie counts as the tied answers' mean correctness
+    assert majority_correct([None, None, "4"], [0, 0, 1]) == 1.0  # no-answer samples do not vote
+    assert majority_correct([None, None], [0, 0]) == 0.0
+
+
+def test_repetition_rate():
+    assert repetition_rate("a b c d e") == 0.0
+    # 8 words "a b c d a b c d": 5 4-grams, of which "a b c d" repeats once -> 1/5
+    assert repetition_rate("a b c d a b c d") == pytest.approx(1 / 5)
+    assert repetition_rate("too short") == 0.0
+
+
+def test_distinct_ngrams_within_group():
+    assert distinct_ngrams(["x y z", "x y z"], 2) == pytest.approx(2 / 4)
+    assert distinct_ngrams(["x y", "u v"], 2) == 1.0
+
+
+def test_reflection_words_and_accuracy_split():
+    assert has_reflection("Wait, let me check that.") and has_reflection("HOWEVER this")
+    assert not has_reflection("awaiting the butter")  # whole words only
+    stats = completion_stats(["wait no 3", "7", "however 4", "5"], [1.0, 0.0, 0.0, 1.0], group_size=2)
+    assert stats["reflection_frac"] == 0.5
+    assert stats["accuracy_with_reflection"] == 0.5 and stats["accuracy_without_reflection"] == 0.5
