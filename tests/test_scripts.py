@@ -17,7 +17,7 @@ SCRIPTS = [s for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "
 LEARN_FLAGS: dict[str, dict] = {
     "grpo": {"beta": 0},
     "dapo": {},
-    "dr_grpo": {},
+    "dr_grpo": {"num-mini-batches": 1},
     "lite_ppo": {},
     "gspo": {},
     "cispo": {},
