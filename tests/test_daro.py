@@ -1,0 +1,385 @@
+"""daro.py's pure functions and weight state against float64 brute-force references written with loops."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import math
+import os
+
+import pytest
+import torch
+
+import daro
+from tests.reference import aggregate, group_advantages, ppo_clip_token
+
+G = 4
+# one group per bucket c = #correct, plus a second c = 2 group: buckets 4, 0, 1, 2, 3, 2
+REWARDS = [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0]]
+# w_0 and w_G are not 1 on purpose: mu = 0 and mu = 1 must ignore them
+WEIGHTS = [5.0, 0.5, 2.0, 3.0, 7.0]
+
+
+def make_args(**kw):
+    return daro.Args(**{"group_size": G, **kw})
+
+
+def rollout(seed, t=6):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.tensor(REWARDS, dtype=torch.float64).flatten()
+    n = rewards.numel()
+    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    old = -torch.rand(n, t, dtype=torch.float64, generator=gen) * 3
+    logps = old + 0.4 * torch.randn(n, t, dtype=torch.float64, generator=gen)  # ratios well outside 1 +- 0.2
+    return rewards, mask, old, logps
+
+
+def brute_buckets(rewards, group_size):
+    """c = number of correct answers in the completion's group, by loops."""
+    out = []
+    for g in range(0, len(rewards), group_size):
+        c = sum(1 for r in rewards[g : g + group_size] if r > 0)
+        out += [c] * group_size
+    return out
+
+
+def brute_daro_loss(logps, old, adv, mask, bucket, weights, args):
+    """sum over the buckets 0 < c < G present of (w_c L_c - ln w_c), L_c = bucket c's token sum / all tokens."""
+    total_tokens = sum(sum(row) for row in mask.tolist())
+    sums, present = {}, set()
+    for i in range(logps.shape[0]):
+        c = int(bucket[i])
+        if c == 0 or c == args.group_size:
+            continue
+        present.add(c)
+        for t in range(logps.shape[1]):
+            if mask[i, t]:
+                tok = ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+                sums[c] = sums.get(c, 0.0) + tok
+    return sum(weights[c] * sums.get(c, 0.0) / total_tokens - math.log(weights[c]) for c in present)
+
+
+def brute_mass(adv, mask, bucket, group_size):
+    """M_c = sum over bucket c's sequences of |o_i| |A_i| / all tokens."""
+    total_tokens = sum(sum(row) for row in mask.tolist())
+    mass = [0.0] * (group_size + 1)
+    for i in range(len(bucket)):
+        if 0 < int(bucket[i]) < group_size:
+            mass[int(bucket[i])] += sum(mask[i].tolist()) * abs(adv[i].item()) / total_tokens
+    return mass
+
+
+def test_advantages_match_reference():
+    args = make_args()
+    rewards, *_ = rollout(0)
+    got = daro.compute_advantages(rewards, args)
+    want = group_advantages(rewards.tolist(), G, eps=args.adv_eps)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert (got[:8] == 0).all()
+
+
+def test_buckets_from_rewards_and_from_advantages():
+    args = make_args()
+    rewards, *_ = rollout(0)
+    got = daro.pass_rate_bucket(rewards, args)
+    assert got.tolist() == brute_buckets(rewards.tolist(), G) == [c for c in (4, 0, 1, 2, 3, 2) for _ in range(G)]
+    assert got.dtype == torch.long
+    assert daro.pass_rate_bucket(rewards.bool(), args).tolist() == got.tolist()
+    # read off the advantages: the same for mixed groups, 0 for the all-correct group (mu = 1 is dropped either way)
+    from_adv = daro.bucket_from_advantages(daro.compute_advantages(rewards, args), args)
+    assert from_adv.tolist() == [c for c in (0, 0, 1, 2, 3, 2) for _ in range(G)]
+
+
+@pytest.mark.parametrize("weights", [None, WEIGHTS])
+def test_policy_loss_value_and_gradient_match_reference(weights):
+    args = make_args()
+    rewards, mask, old, logps = rollout(1)
+    adv = daro.compute_advantages(rewards, args)
+    bucket = daro.pass_rate_bucket(rewards, args)
+    w = [1.0] * (G + 1) if weights is None else weights
+    logps.requires_grad_(True)
+    kw = {} if weights is None else {"weights": torch.tensor(weights, dtype=torch.float64)}
+    loss, stats = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=bucket, **kw)
+
+    def brute(lp):
+        return brute_daro_loss(lp, old, adv, mask, bucket, w, args)
+
+    assert abs(loss.item() - brute(logps.detach())) < 1e-10
+    (grad,) = torch.autograd.grad(loss, logps)
+    eps = 1e-6
+    for i, t in [(8, 0), (9, 1), (12, 2), (15, 0), (17, 3), (21, 0), (22, 1)]:
+        bumped = logps.detach().clone()
+        bumped[i, t] += eps
+        fd = (brute(bumped) - brute(logps.detach())) / eps
+        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
+    assert (grad[mask == 0] == 0).all()
+    assert (grad[:8] == 0).all()  # mu = 1 and mu = 0 groups: no loss, no gradient
+    for k, v in stats.items():
+        assert v.dim() == 0, k
+    # per-bucket stats, named by mu: L_mu and M_mu from the loops, w_mu as given
+    total = mask.sum().item()
+    for c in range(1, G):
+        sel = [i for i in range(len(bucket)) if bucket[i] == c]
+        want_l = sum(ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2) for i in sel for t in range(6) if mask[i, t]) / total
+        assert abs(stats[f"daro_L_{c / G:.4g}"].item() - want_l) < 1e-12
+        assert abs(stats[f"daro_M_{c / G:.4g}"].item() - brute_mass(adv, mask, bucket, G)[c]) < 1e-12
+        assert stats[f"daro_w_{c / G:.4g}"].item() == pytest.approx(w[c], abs=1e-12)
+    assert {k for k in stats if k.startswith("daro_w_")} == {"daro_w_0.25", "daro_w_0.5", "daro_w_0.75"}
+    assert abs(stats["policy_loss"].item() - (brute(logps.detach()) + sum(math.log(w[c]) for c in (1, 2, 3)))) < 1e-10
+
+
+def test_unit_weights_give_token_mean_grpo():
+    """With w = 1 the loss is the token-mean PPO-clip loss (W eq. 2): mu = 0, 1 tokens count in L but add 0."""
+    args = make_args()
+    rewards, mask, old, logps = rollout(2)
+    adv = daro.compute_advantages(rewards, args)
+    loss, _ = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=daro.pass_rate_bucket(rewards, args))
+    per_token = [[ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2) for t in range(6)] for i in range(24)]
+    assert abs(loss.item() - aggregate(per_token, mask.tolist(), "token-mean")) < 1e-12
+
+
+def test_all_correct_and_all_wrong_groups_get_no_weight_and_no_loss():
+    args = make_args()
+    rewards, mask, old, logps = rollout(3)
+    adv = daro.compute_advantages(rewards, args)
+    bucket = daro.pass_rate_bucket(rewards, args)
+    w = torch.tensor(WEIGHTS, dtype=torch.float64)
+    base, _ = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=bucket, weights=w)
+    w2 = w.clone()
+    w2[0], w2[G] = 1e-3, 1e3
+    other, _ = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=bucket, weights=w2)
+    assert other.item() == base.item()  # w_0, w_G: no -ln w term, no loss term
+    moved = logps.clone()
+    moved[:8] += 1.0  # the mu = 1 and mu = 0 groups' log-probs do not matter
+    again, _ = daro.compute_policy_loss(moved, old, adv, mask, args, bucket=bucket, weights=w)
+    assert again.item() == base.item()
+    # a mini-batch with only mu = 0 / mu = 1 groups has loss 0 and leaves every weight where it is
+    loss, _ = daro.compute_policy_loss(logps[:8], old[:8], adv[:8], mask[:8], args, bucket=bucket[:8], weights=w)
+    assert loss.item() == 0.0
+    state = daro.DaroWeights(args)
+    mass, seqs = daro.bucket_mass(adv[:8], bucket[:8], mask[:8], args)
+    assert (mass == 0).all() and (seqs == 0).all()
+    state.step(torch.full((G + 1,), 0.01, dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))  # even if told otherwise
+    assert state.weights()[0] == 1 and state.weights()[G] == 1 and (state.weights()[1:G] > 1).all()
+
+
+def test_clipped_tokens_get_no_gradient_and_are_counted():
+    args = make_args(group_size=2)
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    loss, stats = daro.compute_policy_loss(logps, old, adv, mask, args, weights=torch.tensor([1.0, 3.0, 1.0]))
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[0, 0] == 0 and grad[1, 0] == 0  # r=1.5 with A>0 and r=0.5 with A<0 are clipped
+    # inside the trust region: d/dlogp of -w r A / L = -w r A / 4 (token-mean over 4 tokens, w_1/2 = 3)
+    assert grad[0, 1].item() == pytest.approx(-3 * 1.1 / 4) and grad[1, 1].item() == pytest.approx(3 * 0.9 / 4)
+    assert stats["clip_frac_high"].item() == 0.25 and stats["clip_frac_low"].item() == 0.25
+
+
+def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
+    from common.loss import grad_normalizers
+
+    args = make_args()
+    rewards, mask, old, logps = rollout(4)
+    adv = daro.compute_advantages(rewards, args)
+    bucket = daro.pass_rate_bucket(rewards, args)
+    w = torch.tensor(WEIGHTS, dtype=torch.float64)
+    logps.requires_grad_(True)
+    loss, stats = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=bucket, weights=w)
+    (whole,) = torch.autograd.grad(loss, logps)
+    perm = torch.randperm(24, generator=torch.Generator().manual_seed(0))  # micro-batches cut across groups
+    chunks = [perm[:5], perm[5:7], perm[7:16], perm[16:]]
+    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
+    mass, seqs = daro.bucket_mass(adv, bucket, mask, args, num_tokens)
+    parts = [daro.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs,
+                                      bucket=bucket[c], weights=w, bucket_seqs=seqs) for c in chunks]
+    total = sum(p[0] for p in parts)
+    (split,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
+    for k, v in stats.items():
+        torch.testing.assert_close(sum(p[1][k] for p in parts).double(), v.double(), rtol=0, atol=1e-6, msg=k)
+    # the w-update's inputs add up over micro-batches too, and match the loops
+    summed = sum(daro.bucket_mass(adv[c], bucket[c], mask[c], args, num_tokens) for c in chunks)
+    torch.testing.assert_close(summed, torch.stack([mass, seqs]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(mass, torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64), rtol=0, atol=1e-12)
+    assert seqs.tolist() == [0, 4, 8, 4, 0]
+
+
+@pytest.mark.parametrize("optimizer,lr,steps", [("sgd", 0.1, 400), ("adam", 0.05, 3000)])
+def test_weights_converge_to_inverse_loss_for_fixed_positive_losses(optimizer, lr, steps):
+    """The w-optimizer alone on fixed L_mu > 0: w_mu -> 1/L_mu, so every bucket contributes w_mu L_mu = 1."""
+    args = make_args(group_size=6, daro_w_optimizer=optimizer, daro_w_lr=lr)
+    state = daro.DaroWeights(args)
+    losses = torch.tensor([9.0, 0.02, 0.25, 1.0, 3.0, 0.5, 9.0], dtype=torch.float64)
+    present = torch.tensor([True, True, True, True, True, False, True])
+    for _ in range(steps):
+        state.step(losses, present)
+    w = state.weights()
+    torch.testing.assert_close(w[1:5], 1 / losses[1:5], rtol=1e-4, atol=0)
+    assert w[5] == 1 and w[0] == 1 and w[6] == 1  # absent bucket and mu = 0, 1 never move
+    # brute-force check of one SGD step on sum (e^s L - s): s <- s - lr (e^s L - 1)
+    if optimizer == "sgd":
+        fresh = daro.DaroWeights(args)
+        fresh.step(losses, present)
+        want = [0.0] + [-lr * (math.exp(0.0) * losses[c].item() - 1) for c in range(1, 5)] + [0.0, 0.0]
+        torch.testing.assert_close(fresh.log_w.detach(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_bucket_absent_from_a_mini_batch_keeps_its_weight(optimizer):
+    """No L_mu term for a bucket that is not there: its weight stays put, even with momentum from earlier steps."""
+    state = daro.DaroWeights(make_args(daro_w_optimizer=optimizer))
+    losses = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.0], dtype=torch.float64)
+    for _ in range(3):
+        state.step(losses, torch.ones(G + 1, dtype=torch.bool))
+    before = state.weights()
+    state.step(losses, torch.tensor([True, False, True, False, True]))
+    after = state.weights()
+    assert after[1] == before[1] and after[3] == before[3] and after[2] != before[2]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("loss_value", [0.0, -0.3, 1e-12, -1e6, 1e6, 1e12])
+def test_weights_stay_bounded_and_finite_for_any_loss(optimizer, loss_value):
+    """An on-policy surrogate can be ~0 or negative: -ln w is then unbounded, the clamp keeps w in [w_min, w_max]."""
+    args = make_args(daro_w_optimizer=optimizer, daro_w_lr=1.0, daro_w_min=0.01, daro_w_max=50.0)
+    state = daro.DaroWeights(args)
+    losses = torch.full((G + 1,), loss_value, dtype=torch.float64)
+    for _ in range(300):
+        state.step(losses, torch.ones(G + 1, dtype=torch.bool))
+        w = state.weights()
+        assert torch.isfinite(w).all() and (w >= 0.01 * (1 - 1e-12)).all() and (w <= 50.0 * (1 + 1e-12)).all()
+    if loss_value <= 1e-12:
+        torch.testing.assert_close(w[1:G], torch.full((G - 1,), 50.0, dtype=torch.float64))  # pinned at w_max, finite
+    if loss_value >= 1e6:
+        torch.testing.assert_close(w[1:G], torch.full((G - 1,), 0.01, dtype=torch.float64))
+
+
+def test_weights_state_is_saved_and_restored(tmp_path):
+    for optimizer in ("sgd", "adam"):
+        args = make_args(daro_w_optimizer=optimizer)
+        a = daro.DaroWeights(args)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            a.step(torch.rand(G + 1, dtype=torch.float64, generator=gen), torch.ones(G + 1, dtype=torch.bool))
+        torch.save(a.state_dict(), tmp_path / "w.pkl")  # what accelerate's save_state does with registered objects
+        b = daro.DaroWeights(args)
+        b.load_state_dict(torch.load(tmp_path / "w.pkl", weights_only=False))
+        assert torch.equal(a.weights(), b.weights()) and not torch.equal(a.weights(), daro.DaroWeights(args).weights())
+        nxt = torch.rand(G + 1, dtype=torch.float64, generator=gen)
+        for s in (a, b):  # the optimizer's state came back too (Adam's moments): the next steps agree
+            s.step(nxt, torch.ones(G + 1, dtype=torch.bool))
+            s.step(nxt, torch.ones(G + 1, dtype=torch.bool))
+        assert torch.equal(a.weights(), b.weights())
+
+
+class TablePolicy(torch.nn.Module):
+    """A stand-in for TokenLogProbs: log-prob of token x is theta[x] (enough to check update_policy's gradient)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.theta = torch.nn.Parameter(-torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, ids, attn, p_len, temperature):
+        logps = self.theta[ids[:, p_len:]]
+        return logps, torch.zeros_like(logps)
+
+
+class SingleProcess:
+    """The parts of accelerate.Accelerator that update_policy uses, for one process."""
+
+    def reduce(self, t, reduction):
+        return t.clone()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, params, max_norm):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_update_policy_steps_the_weights_then_uses_them(given):
+    args = make_args(micro_batch_size=5, max_grad_norm=1e9)
+    rewards, mask, *_ = rollout(6)
+    adv = daro.compute_advantages(rewards, args)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (24, 2 + 6), generator=gen)
+    attn = torch.cat([torch.ones(24, 2, dtype=torch.long), mask], 1)
+    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": 2, "advantages": adv}
+    state = daro.DaroWeights(args)
+    if given:
+        state.step(torch.tensor([0.0, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))
+        batch.update(daro=state, bucket=daro.pass_rate_bucket(rewards, args))
+    want_state = daro.DaroWeights(args)
+    want_state.load_state_dict(state.state_dict())
+    policy = TablePolicy(50)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    before = policy.theta.detach().clone()
+    sums, _, skipped = daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    assert skipped == 0
+    # expected: one w step on the whole mini-batch's M_mu (from the loops), then the loss gradient with those w
+    bucket = daro.pass_rate_bucket(rewards, args)
+    present = torch.tensor([bool((bucket == c).any()) for c in range(G + 1)])
+    want_state.step(torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64), present)
+    if given:
+        assert torch.equal(state.weights(), want_state.weights())
+    w = want_state.weights()
+    assert len(set(w[1:G].tolist())) == G - 1  # the weights really differ per bucket
+    theta = before.clone().requires_grad_(True)
+    logps = theta[ids[:, 2:]]
+    loss, _ = daro.compute_policy_loss(logps, logps.detach(), adv, mask, args, bucket=bucket, weights=w)
+    (grad,) = torch.autograd.grad(loss, theta)
+    torch.testing.assert_close(before - policy.theta.detach(), grad, rtol=1e-10, atol=1e-13)
+    for c in range(1, G):
+        assert sums[f"daro_w_{c / G:.4g}"].item() == pytest.approx(w[c].item(), rel=1e-9)
+    assert sums["loss"].item() == pytest.approx(loss.item(), rel=1e-9)
+
+
+def test_defaults_are_the_papers():
+    a = daro.Args()
+    assert not hasattr(a, "beta")  # no KL (W eq. 2)
+    assert (a.clip_eps_low, a.clip_eps_high) == (0.2, 0.2)  # symmetric clip, W eq. 2's f
+    assert (a.prompts_per_step, a.total_steps) == (128, 500)  # the write-up's worked example
+    assert (a.group_size, a.learning_rate, a.model_name_or_path) == (8, 1e-6, "Qwen/Qwen2.5-Math-1.5B")  # choices
+    assert a.num_mini_batches == 1 and a.ppo_epochs == 1
+    assert (a.daro_w_optimizer, a.daro_w_lr, a.daro_w_min, a.daro_w_max) == ("sgd", 0.1, 1e-3, 1e3)
+    assert torch.equal(daro.DaroWeights(a).weights(), torch.ones(9, dtype=torch.float64))  # w starts at 1
+
+
+@pytest.mark.slow
+def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
+    import json
+
+    from tests.test_scripts import read_metrics, run_script, toy_flags
+
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    run_script("daro", toy_flags(toy_assets, full, 4, **{"exp-name": "a"}))
+    run_script("daro", toy_flags(toy_assets, part, 2, **{"exp-name": "a"}))
+    (run_dir,) = glob.glob(os.path.join(part, "a__*"))
+    saved = torch.load(os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False)
+    last = [r for r in read_metrics(run_dir) if "train/daro_w_0.5" in r][-1]  # the w used in the last update
+    for c in range(1, 8):
+        assert math.exp(saved["log_w"][c].item()) == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=1e-5)
+    assert not torch.equal(saved["log_w"], torch.zeros(9, dtype=torch.float64))
+    run_script("daro", toy_flags(toy_assets, part, 4, **{"exp-name": "a", "resume": run_dir}))
+    resumed = read_metrics(run_dir)
+    (full_dir,) = glob.glob(os.path.join(full, "a__*"))
+    uninterrupted = read_metrics(full_dir)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    keys = [k for k in uninterrupted[3] if k.startswith("train/daro_") or k in ("train/loss", "train/reward_mean")]
+    assert "train/daro_w_0.5" in keys
+    for a, b in zip(resumed, uninterrupted):
+        assert set(a) == set(b)
+        for key in keys:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key)
+    with open(os.path.join(run_dir, "args.json")) as f:
+        assert json.load(f)["daro_w_lr"] == 0.1
