@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import pytest
 import torch
 
 import dr_grpo
