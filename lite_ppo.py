@@ -22,11 +22,9 @@ are on the Base models; 4B is our choice of the two), 128 prompts x 8 responses 
 1024 (so one optimizer step per rollout), one PPO epoch, lr 1e-6, 8k response length, temperature 0.99 and
 top_p 0.99 (the paper's top_k 100 is not exposed by the sampler), clip 0.2, no KL; eps = 1e-6 as in ROLL.
 Choices the paper leaves open: the training set is zwhe99/DeepMath-103K (the source of the paper's Medium and
-Hard 5k sets, which are not released); the Qwen-Math "\\boxed{}" prompt; the batch std is the population std
-(1/N) of the gathered rewards (ROLL and TRL call torch.std, 1/(N-1): a factor sqrt(1 - 1/N), 0.05% at N = 1024),
-which makes compute_advantages give the same answer whether a rank passes its own share or the whole batch.
-A batch whose rewards are all equal gets A = 0. TRL's reading of the paper's batch sizes is 8 optimizer steps
-per rollout (--num-mini-batches 8).
+Hard 5k sets, which are not released); the Qwen-Math "\\boxed{}" prompt; the batch std is the unbiased std of
+the rewards gathered from every rank, as ROLL and TRL (torch.std). A batch whose rewards are all equal gets
+A = 0. TRL's reading of the paper's batch sizes is 8 optimizer steps per rollout (--num-mini-batches 8).
 
     accelerate launch lite_ppo.py                                  # the paper setting, on GPUs
     python lite_ppo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -176,7 +174,7 @@ def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: tor
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = (R_i - mean_g R) / (std_batch R + eps): group-mean baseline, batch-std scale. rewards: [N], this rank's
     share, groups contiguous. The std is over the rewards of every rank (gathered when torch.distributed is
-    initialised; all ranks hold the same number), as the population std (1/N). A group whose rewards are all
+    initialised; all ranks hold the same number), unbiased as torch.std (ROLL, TRL). A group whose rewards are all
     equal gets A = 0."""
     r = rewards.view(-1, args.group_size)
     everything = rewards
@@ -184,7 +182,7 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
         shares = [torch.empty_like(rewards) for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather(shares, rewards.contiguous())
         everything = torch.cat(shares)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (everything.std(correction=0) + args.adv_eps)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (everything.std() + args.adv_eps)
     return adv.view(-1)
 
 

@@ -3,8 +3,8 @@
     python tests/dist_worker.py SCRIPT OUT_DIR MODEL_DIR MICRO_BATCH [key=value ...]
     torchrun --nproc_per_node 2 tests/dist_worker.py ...
 
-Every rank builds the same fixed rollout (ids, masks, rewards), computes the advantages on all of it, keeps
-its own contiguous share of whole groups and runs the script's update with SGD(lr=1) and no clipping, so
+Every rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole
+groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and runs the script's update with SGD(lr=1) and no clipping, so
 params_before - params_after is exactly the gradient DDP produced. Rank 0 saves it with the world size.
 """
 
@@ -41,7 +41,6 @@ def main() -> None:
     mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
     attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    advantages = mod.compute_advantages(rewards, args)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -50,7 +49,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    share = slice(rank * n // world, (rank + 1) * n // world)
+    share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
+    advantages = torch.zeros(n)
+    advantages[share] = mod.compute_advantages(rewards[share], args)  # on this rank's share, as main() does
     batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "advantages": advantages[share]}
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, c_len, generator=g, dtype=torch.float64) * 6)[share]
