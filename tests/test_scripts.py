@@ -16,7 +16,7 @@ SCRIPTS = [s for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "
 # Per-script flags for the learning test (smoke values come from flags, never from code branches).
 LEARN_FLAGS: dict[str, dict] = {
     "grpo": {"beta": 0},
-    "dapo": {},
+    "dapo": {"max-gen-batches": 3, "num-mini-batches": 1, "warmup-steps": 0},
     "dr_grpo": {"num-mini-batches": 1},
     "lite_ppo": {},
     "gspo": {},
