@@ -20,7 +20,7 @@ LEARN_FLAGS: dict[str, dict] = {
     "dr_grpo": {"num-mini-batches": 1},
     "lite_ppo": {},
     "gspo": {},
-    "cispo": {},
+    "cispo": {"max-gen-batches": 1, "num-mini-batches": 4, "warmup-steps": 0},
     "daro": {},
 }
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}

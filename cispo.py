@@ -1,0 +1,686 @@
+# docs and experiment results: README.md#cispopy
+"""CISPO: Clipped IS-weight Policy Optimization.
+
+Paper: MiniMax-M1, MiniMax 2025, https://arxiv.org/abs/2506.13585 (§3.1, eq. 3-5); the default cap is ScaleRL's,
+Khatri et al. 2025, "The Art of Scaling Reinforcement Learning Compute for LLMs", https://arxiv.org/abs/2510.13786.
+
+What this algorithm changes vs GRPO: the loss is REINFORCE with a clipped, detached importance-sampling weight
+instead of PPO's clipped surrogate. PPO/GRPO drop the gradient of a token whose ratio left the trust region
+(which, MiniMax found, silences rare "fork" tokens such as "However", "Wait" after the first update); CISPO
+clips only the weight, never drops a token, and has no lower bound. The gradient of every token is
+sg(w_it) A_i grad log pi(o_it). No KL term, no reference model; token-level mean over the mini-batch (as DAPO):
+
+    J = E[ 1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi(o_it | q, o_i,<t) ]           (MiniMax eq. 4)
+    w_it = min(r_it, eps_max)                 --cispo-form scalerl (default; ScaleRL: eps_max = 5)
+    w_it = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)   --cispo-form minimax (eq. 5; no lower bound by default)
+    r_it = pi(o_it) / pi_old(o_it),   A_i = (R_i - mean_g R) / (std_g R + eps)        (eq. 2)
+
+Dynamic sampling (DAPO §3.2, as MiniMax §3.1 uses it): groups whose completions are all right or all wrong have
+A = 0; they are dropped and more prompts sampled until the batch is full (the rollout loop is dapo.py's).
+
+Defaults: MiniMax validates CISPO against DAPO and GRPO in DAPO's zero-RL setting (§3.1: Qwen2.5-32B base,
+DAPO's math data, 16 rounds of off-policy updates per generation batch, dynamic sampling, no KL) and evaluates
+at temperature 1.0, top_p 0.95, AIME sampled 32 times (§5). So the defaults are dapo.py's translation of that
+setting to one node (Qwen2.5-7B, DAPO-Math-17k with its "Answer:" prompt, G=16, 512 prompts per step, 16
+mini-batches, lr 1e-6 after a 320-step warm-up, weight decay 0.1, 20480 new tokens, --max-gen-batches 10),
+which MiniMax does not restate but compares against at equal steps. Cap: eps_max = 5 (ScaleRL; insensitive to
+4/5/8). MiniMax tunes eps_high^IS but does not report it: --is-eps-high 0.2 follows verl's CISPO example.
+Not implemented: DAPO's length penalty (MiniMax uses it; dapo.py has it) and ScaleRL's other changes
+(prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
+Choices the papers leave open: std is unbiased, eps_std = 1e-6, a zero-variance group gets A = 0; the reward is
+0/1 (with group std the +-1 scale changes nothing but eps_std); dynamic sampling as in dapo.py.
+
+    accelerate launch cispo.py --eval-every 5                  # the paper setting, on GPUs
+    python cispo.py --model-name-or-path /tmp/toy/model ...    # see README "Quickstart" for a CPU run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
+from common.metrics import completion_stats, majority_correct, pass_at_k
+from common.reward import extract_final_answer, find_unparseable_gold, score
+from common.sampling import make_sampler
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (the run directory is <output-dir>/<exp-name>__<seed>__<unix time>)"""
+    seed: int = 1
+    """seed of the experiment (each rank samples with seed + rank * 100003)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory to resume from its latest checkpoint (model, optimizer, scheduler, RNG, step)"""
+    save_every: int = 100
+    """save a checkpoint every this many steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    log_samples_every: int = 10
+    """write a few prompt/completion/reward samples to samples.jsonl and TensorBoard every this many steps"""
+
+    # Model and data
+    model_name_or_path: str = "Qwen/Qwen2.5-7B"
+    """Hugging Face hub id or local directory of the policy (the paper's is Qwen2.5-32B)"""
+    dataset_name: str = "open-r1/DAPO-Math-17k-Processed"
+    """hub id, or a local .jsonl / .json / .parquet file"""
+    dataset_config: str | None = "en"
+    """dataset configuration name on the hub (e.g. 'en'), if it has several"""
+    dataset_split: str = "train"
+    """dataset split"""
+    prompt_column: str = "prompt"
+    """column holding the question"""
+    answer_column: str = "solution"
+    """column holding the reference answer (a bare answer, or a solution whose last \\boxed{} is the answer)"""
+    prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "dapo"
+    """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
+    r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt (kept as is where present)"""
+    max_prompt_tokens: int = 2048
+    """prompts longer than this are dropped at load time (and counted)"""
+
+    # Sampling
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM when CUDA and vllm are available, else Hugging Face generate"""
+    group_size: int = 16
+    """G, completions sampled per prompt"""
+    prompts_per_step: int = 512
+    """prompts per training step, over all ranks (so group_size * prompts_per_step completions); with dynamic
+    sampling, the number of informative groups to collect"""
+    max_new_tokens: int = 20480
+    """generation budget per completion (DAPO's 16384 + 4096)"""
+    temperature: float = 1.0
+    """sampling temperature (also applied to the trainer's logits, so log-probs match the sampler)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the vLLM engine may take"""
+    vllm_tensor_parallel_size: int = 1
+    """tensor parallel size of each vLLM engine"""
+    vllm_enable_sleep_mode: bool = False
+    """offload vLLM's weights and KV cache while training"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    warmup_steps: int = 320
+    """linear learning-rate warm-up, in optimizer steps; constant afterwards (DAPO: 20 rollout steps x 16)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    total_steps: int = 500
+    """training steps (one rollout each)"""
+    num_mini_batches: int = 16
+    """optimizer steps per rollout and epoch (MiniMax §3.1: 16 off-policy updates per generation batch, as DAPO's 512/32 prompts)"""
+    ppo_epochs: int = 1
+    """passes over each rollout"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on CUDA, none on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
+    max_bad_steps: int = 5
+    """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
+
+    # Algorithm specific arguments
+    cispo_form: Literal["scalerl", "minimax"] = "scalerl"
+    """scalerl: IS weight sg(min(r, eps_max)) (ScaleRL); minimax: sg(clip(r, 1 - is_eps_low, 1 + is_eps_high)) (MiniMax-M1 eq. 5)"""
+    eps_max: float = 5.0
+    """scalerl form: the cap on the IS weight (ScaleRL's 5; its results are insensitive to 4, 5 or 8)"""
+    is_eps_high: float = 0.2
+    """minimax form: the cap is 1 + is_eps_high (MiniMax tunes it and does not report it; 0.2 is verl's CISPO example)"""
+    is_eps_low: float | None = None
+    """either form: a floor 1 - is_eps_low on the IS weight (None: no lower bound, as MiniMax §3.1 and ScaleRL)"""
+    adv_eps: float = 1e-6
+    """eps in A = (R - mean) / (std + eps)"""
+    dynamic_sampling: bool = True
+    """drop groups whose completions are all correct or all wrong and sample more prompts to refill (DAPO §3.2, used by MiniMax §3.1)"""
+    max_gen_batches: int = 10
+    """at most this many generation rounds per step; then train on the informative groups collected so far"""
+    gen_prompts_per_round: int = 0
+    """prompts per generation round, over all ranks (0: --prompts-per-step; verl's recipe uses 3x, 1536)"""
+
+    # Evaluation
+    eval_every: int = 0
+    """evaluate every this many steps and at the end (0 disables evaluation)"""
+    eval_datasets: list[str] = field(default_factory=lambda: ["math-ai/aime24"])
+    """hub ids or local files to evaluate on (split 'test' for hub ids, columns --eval-prompt-column/--eval-answer-column)"""
+    eval_prompt_column: str = "problem"
+    """question column of the evaluation datasets"""
+    eval_answer_column: str = "solution"
+    """answer column of the evaluation datasets"""
+    eval_samples: int = 32
+    """k completions per evaluation question (avg@k, pass@k, maj@k)"""
+    eval_temperature: float = 1.0
+    """evaluation sampling temperature (0: greedy)"""
+    eval_top_p: float = 0.95
+    """evaluation nucleus sampling"""
+    eval_max_new_tokens: int = 20480
+    """evaluation generation budget"""
+    eval_limit: int = 0
+    """evaluate on at most this many questions per dataset (0: all)"""
+
+
+# ALGO LOGIC: rewards, advantages and the loss
+def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
+    """The outcome reward: 1 for a verified answer, 0 otherwise (MiniMax §3.1: rule-based verifier)."""
+    return correct.float()
+
+
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (MiniMax eq. 2, as GRPO). rewards: [N], groups contiguous.
+    std is unbiased; a group whose rewards are all equal gets A = 0."""
+    r = rewards.view(-1, args.group_size)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
+    return adv.view(-1)
+
+
+def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dynamic sampling's filter (DAPO eq. 8's constraint 0 < |{o_i : correct}| < G): True for the groups that keep.
+    correct: [num_groups * G] (1 or True = correct), groups contiguous. Returns [num_groups] bool."""
+    num_correct = (correct.view(-1, group_size) > 0).sum(dim=1)
+    return (num_correct > 0) & (num_correct < group_size)
+
+
+def compute_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    args: Args,
+    num_tokens: torch.Tensor | None = None,
+    num_seqs: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO loss (MiniMax eq. 4): -1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi_it, w = min(r, cap) (eq. 5).
+
+    logps, old_logps, mask: [B, T]; advantages: [B]. num_tokens: the mini-batch's token count when this batch
+    is one micro-batch of it (see common.loss.grad_normalizers); by default the batch's own. num_seqs and
+    ref_logps are unused (token-mean, no reference). Stats are token means over the same mini-batch, so they
+    add up over micro-batches too. The loss value is a surrogate (it contains log pi): only its gradient matters."""
+    log_ratio = logps - old_logps
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None]
+    cap = args.eps_max if args.cispo_form == "scalerl" else 1 + args.is_eps_high
+    floor = None if args.is_eps_low is None else 1 - args.is_eps_low
+    weight = torch.clamp(ratio, min=floor, max=cap).detach()  # sg(clipped IS weight), eq. 5: every token keeps a gradient
+    per_token = -weight * adv * logps  # REINFORCE with the corrected distribution, eq. 3-4
+    stats = {}
+    loss = masked_aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)  # 1/sum_i |o_i| (eq. 4)
+    with torch.no_grad():
+        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        stats["policy_loss"] = loss.detach()
+        stats["cap_frac"] = token_mean(ratio > cap)  # tokens whose weight is capped (PPO would drop them if A > 0)
+        if floor is not None:
+            stats["floor_frac"] = token_mean(ratio < floor)
+        stats["is_weight_mean"] = token_mean(weight)
+        stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
+    return loss, stats
+
+
+# TRY NOT TO MODIFY: data, prompts, batching, evaluation
+SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
+R1_TEMPLATE = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
+    "User: {question}\nAssistant: <think>"
+)
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+def format_prompt(question: str, template: str, tokenizer) -> str:
+    """The text the model is asked to continue; chat templates go through the tokenizer's own."""
+    if template == "none":
+        return question
+    if template == "r1":
+        return R1_TEMPLATE.format(question=question)
+    if template == "qwen-boxed":
+        messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
+    else:
+        messages = [{"role": "user", "content": question if question.startswith(DAPO_TEMPLATE[:46]) else DAPO_TEMPLATE.format(question=question)}]  # DAPO-Math-17k's prompts carry it already
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+
+def load_rows(name: str, config: str | None, split: str, prompt_column: str, answer_column: str, flag: str):
+    """Questions and answers from a hub dataset or a local .jsonl/.json/.parquet file."""
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    ext = os.path.splitext(name)[1].lower()
+    try:
+        if ext in (".jsonl", ".json", ".parquet"):
+            if not os.path.exists(name):
+                raise SystemExit(f"{flag}: no such file {name!r}")
+            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=name, split="train")
+        else:
+            ds = datasets.load_dataset(name, config, split=split)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
+        raise SystemExit(f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {e}") from None
+    for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
+        if col not in ds.column_names:
+            raise SystemExit(f"{col_flag}: column {col!r} not in {name!r}; available: {ds.column_names}")
+    if len(ds) == 0:
+        raise SystemExit(f"{flag}: dataset {name!r} split {split!r} is empty")
+    return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
+
+
+def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
+    """Tokenised prompts and their answers; prompts over --max-prompt-tokens and unparseable answers dropped."""
+    bad = set(find_unparseable_gold(answers))
+    prompts, golds, too_long = [], [], 0
+    for i, (q, a) in enumerate(zip(questions, answers)):
+        ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
+        if len(ids) > args.max_prompt_tokens:
+            too_long += 1
+        elif i not in bad:
+            prompts.append(ids)
+            golds.append(a)
+    if bad:
+        examples = [answers[i][:60] for i in sorted(bad)[:3]]
+        print(f"{flag}: dropped {len(bad)} rows whose answer cannot be parsed, e.g. {examples}")
+    if too_long:
+        print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
+    if not prompts:
+        raise SystemExit(f"{flag}: no usable rows left (unparseable answers: {len(bad)}, too long: {too_long})")
+    return prompts, golds
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    """The shuffled row order of one pass over the training set."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None) -> list[int]:
+    """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
+    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data."""
+    count = args.prompts_per_step // world if count is None else count
+    start = (step * world + rank) * count
+    return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
+
+
+def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """[N, P + C] ids and attention mask with left-padded prompts and right-padded completions, and the
+    [N, C] completion mask. Prompt i is shared by its group (prompts given once per completion)."""
+    p_len = max(len(p) for p in prompts)
+    c_len = max(max(len(c) for c in completions), 1)
+    ids = torch.full((len(prompts), p_len + c_len), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(c)] = 1
+    return ids, attn, attn[:, p_len:].clone(), p_len
+
+
+def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
+    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
+    metrics, k = {}, args.eval_samples
+    for name, (prompts, golds) in eval_sets.items():
+        top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
+        texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
+        correct, _ = score(texts, [g for g in golds for _ in range(k)])
+        groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
+        short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
+        metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
+        metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
+        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct([extract_final_answer(t) for t in ts], c) for ts, c in groups]))
+    return metrics
+
+
+def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
+    """Per-token log-probs of the whole rollout under `policy`, micro-batch by micro-batch, without gradient."""
+    ids, attn, n = batch["ids"], batch["attn"], batch["ids"].shape[0]
+    return torch.cat([policy(ids[i : i + args.micro_batch_size], attn[i : i + args.micro_batch_size], batch["p_len"], args.temperature)[0] for i in range(0, n, args.micro_batch_size)])
+
+
+def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int):
+    """PPO-style updates on one rollout: `ppo_epochs` passes, each split into `num_mini_batches` optimizer
+    steps, each accumulated over micro-batches whose losses share the mini-batch's global normalisers (so the
+    accumulated gradient equals the whole mini-batch's, on any number of ranks). Returns the summed stats
+    (means over the rollout), the mean gradient norm and how many updates were skipped as non-finite.
+    Nothing in the micro-batch loop reads a tensor on the host."""
+    ids, attn, mask, advantages = batch["ids"], batch["attn"], batch["mask"], batch["advantages"]
+    n, device = ids.shape[0], ids.device
+    sums: dict[str, torch.Tensor] = {}
+    grad_norms, skipped, canary = [], 0, []
+    mb_size = n // args.num_mini_batches
+    for epoch in range(args.ppo_epochs):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch)).to(device)
+        for mb in range(args.num_mini_batches):
+            chunks = list(perm[mb * mb_size : (mb + 1) * mb_size].split(args.micro_batch_size))
+            num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
+            for j, c in enumerate(chunks):
+                with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
+                    logps, entropy = policy(ids[c], attn[c], batch["p_len"], args.temperature)
+                    old = logps.detach() if "old_logps" not in batch else batch["old_logps"][c]
+                    ref = batch["ref_logps"][c] if "ref_logps" in batch else None
+                    loss, stats = compute_policy_loss(logps, old, advantages[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=ref)
+                    accelerator.backward(loss)
+                stats["entropy"] = masked_aggregate(entropy, mask[c], "token-mean", num_tokens=num_tokens)
+                if "sampler_logps" in batch and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
+                    canary.append(((logps.detach() - batch["sampler_logps"][c]).abs() * mask[c]).flatten())
+                stats["loss"] = loss.detach()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm):  # one host sync per optimizer step, never per micro-batch
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            grad_norms.append(grad_norm.detach().float())
+    if canary:
+        diffs = torch.cat(canary)
+        sums["logprob_diff_max"] = diffs.max()
+        sums["logprob_diff_mean"] = diffs.sum() / mask[perm[:mb_size]].sum().clamp(min=1)
+    return sums, torch.stack(grad_norms).mean(), skipped
+
+
+def main(args: Args) -> None:
+    # TRY NOT TO MODIFY: validation before anything is written
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list, gather_object
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
+    if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
+        raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.total_steps == 0 and args.eval_every <= 0:
+        raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
+    if args.vllm_enable_sleep_mode and args.sampler == "hf":
+        raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
+    if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.eps_max <= 0 or args.is_eps_high <= 0:
+        raise SystemExit("--max-gen-batches must be >= 1, --gen-prompts-per-round >= 0, --eps-max and --is-eps-high > 0")
+    gen_prompts = args.gen_prompts_per_round or args.prompts_per_step
+    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if args.prompts_per_step % world or gen_prompts % world:
+        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} and --gen-prompts-per-round {gen_prompts} must be divisible by the number of processes {world}")
+    if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
+        raise SystemExit(f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions")
+    if args.resume and not glob.glob(os.path.join(args.resume, "checkpoints", "step_*", "trainer.json")):
+        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
+    train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+    eval_sets = {}
+    if args.eval_every > 0:
+        for name in args.eval_datasets:
+            qs, ans = load_rows(name, None, "test", args.eval_prompt_column, args.eval_answer_column, "--eval-datasets")
+            n = args.eval_limit or len(qs)
+            eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets")
+    if args.resume:
+        run_dir = args.resume.rstrip("/")
+    else:
+        stamp = broadcast_object_list([int(time.time())])[0]
+        run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
+        if os.path.exists(run_dir):
+            raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
+        parent = os.path.abspath(args.output_dir)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable")
+
+    # TRY NOT TO MODIFY: seeding, run directory, logging
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    writer = None
+    if accelerator.is_main_process:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        writer = SummaryWriter(run_dir)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+
+    # TRY NOT TO MODIFY: models, optimizer, sampler
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    sampler = make_sampler(
+        args.sampler, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
+        seed=args.seed + rank * 100003, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
+        max_model_len=args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens),
+    )
+    policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    ref_policy = None
+    start_step = data_round = 0  # data_round: generation rounds consumed so far, the data stream's position
+    if args.resume:
+        last = max(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
+        last = os.path.dirname(last)
+        accelerator.load_state(os.path.join(last, "state"))
+        with open(os.path.join(last, "trainer.json")) as f:
+            state = json.load(f)
+        start_step, data_round = state["step"], state["data_round"]
+        sampler.load_state_dict(state["sampler"][rank])
+        sampler.update_weights(accelerator.unwrap_model(policy).lm)
+        if accelerator.is_main_process:  # forget what was logged after the checkpoint: it is about to be redone
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                path = os.path.join(run_dir, name)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        rows = [r for r in f if json.loads(r)["step"] < start_step]
+                    with open(path, "w") as f:
+                        f.writelines(rows)
+        accelerator.print(f"resumed from {last} at step {start_step}")
+
+    def save_checkpoint(step: int) -> None:
+        """checkpoints/step_<k>/{model (Hugging Face format), state (accelerate), trainer.json}, written to a
+        temporary directory and renamed, so a kill mid-save never leaves a half checkpoint behind."""
+        final = os.path.join(run_dir, "checkpoints", f"step_{step}")
+        tmp = final + ".tmp"
+        accelerator.save_state(os.path.join(tmp, "state"))
+        samplers = gather_object([sampler.state_dict()])
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"))
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+            with open(os.path.join(tmp, "trainer.json"), "w") as f:
+                json.dump({"step": step, "sampler": samplers, "data_round": data_round}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            done = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
+            for old in done[: -args.keep_checkpoints]:
+                shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+        accelerator.wait_for_everyone()
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        if writer is not None:
+            for k, v in metrics.items():
+                writer.add_scalar(k, v, step)
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    stop = []  # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.append(signum))
+    if args.total_steps == 0:  # evaluation only, e.g. of a saved checkpoint's model/ directory
+        log(evaluate(sampler, eval_sets, tokenizer, args), 0)
+        accelerator.print(f"done: {run_dir}")
+        return
+
+    bad_steps, start_time = 0, time.time()
+    for step in range(start_step, args.total_steps):
+        t0 = time.time()
+        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Algorithm 1), the rollout. Rounds of --gen-prompts-per-round prompts (G
+        # completions each, the data stream indexed by the global round counter) until every rank holds its share
+        # of informative groups (0 < #correct < G) or --max-gen-batches rounds ran. The ranks agree on the smallest
+        # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.
+        device, share = accelerator.device, args.prompts_per_step // world
+        prompts, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], {}, 0.0, 0.0
+        for gen_round in range(args.max_gen_batches):
+            idx = step_indices(data_round, len(train_prompts), args, rank, world, count=gen_prompts // world)
+            data_round += 1
+            t1 = time.time()
+            outs = sampler.generate([train_prompts[i] for i in idx], args.group_size, args.temperature, args.top_p, args.max_new_tokens)
+            t2 = time.time()
+            round_correct, info = score([c.text for c in outs], [train_golds[i] for i in idx for _ in range(args.group_size)])
+            t_gen, t_reward = t_gen + t2 - t1, t_reward + time.time() - t2
+            keep = filter_groups(torch.tensor(round_correct), args.group_size) if args.dynamic_sampling else torch.ones(len(idx), dtype=torch.bool)
+            kept += [len(prompts) + k for k in keep.nonzero().flatten().tolist()]
+            prompts, completions, correct = prompts + [train_prompts[i] for i in idx], completions + outs, correct + round_correct
+            reward_info = {k: reward_info.get(k, 0) + v for k, v in info.items()}
+            num_kept = int(accelerator.gather(torch.tensor([len(kept)], device=device)).min().item())
+            if num_kept >= share:
+                break
+        kept = kept[: min(num_kept, share)]  # group indices into this step's generated groups, as many on every rank
+        if len(kept) < share:
+            accelerator.print(f"step {step}: {len(kept) * world} of {args.prompts_per_step} informative groups after {args.max_gen_batches} generation rounds")
+        if args.vllm_enable_sleep_mode:
+            sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
+        texts = [c.text for c in completions]
+        correct = torch.tensor(correct, device=device)
+        lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
+        truncated = torch.tensor([c.truncated for c in completions], device=device)
+
+        # ALGO LOGIC: rewards and advantages (per group, so computing them over every generated group changes nothing)
+        rewards = compute_rewards(correct, lengths, truncated, args)
+        advantages = compute_advantages(rewards, args)
+        # ALGO LOGIC: the training batch is the kept groups. With none after the last round, one group with A = 0
+        # stands in and the update is skipped (train/no_signal = 1, train/train_groups = 0). At the cap with fewer
+        # groups, mini-batches keep at least their full-batch size (fewer optimizer steps).
+        sel = [k * args.group_size + j for k in (kept or [0]) for j in range(args.group_size)]
+        advantages, train_completions = advantages[sel] * float(bool(kept)), [completions[i] for i in sel]
+        mb_size = share * args.group_size // args.num_mini_batches
+        mb_args = replace(args, num_mini_batches=max(d for d in range(1, max(1, len(sel) // mb_size) + 1) if len(sel) % d == 0))
+
+        # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
+        ids, attn, mask, p_len = pad_batch([prompts[i // args.group_size] for i in sel], [c.token_ids for c in train_completions], pad_id)
+        batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages}
+        if all(c.logprobs is not None for c in train_completions):  # the sampler's own log-probs, for the canary only
+            batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in train_completions], device=device)
+        has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
+        with torch.no_grad():
+            if args.num_mini_batches * args.ppo_epochs > 1 and has_signal:  # several updates per rollout: freeze pi_old once
+                batch["old_logps"] = compute_logps(policy, batch, args)
+            if ref_policy is not None and has_signal:
+                batch["ref_logps"] = compute_logps(ref_policy, batch, args)
+        t_old = time.time() - t0 - t_gen - t_reward
+
+        # TRAIN: mini-batches of the rollout, each split into micro-batches with one global normaliser
+        sums, grad_norm, skipped = {}, torch.zeros(()), 0
+        if has_signal:  # a rollout where every group's rewards are equal has no advantage anywhere: no update
+            sums, grad_norm, skipped = update_policy(policy, optimizer, scheduler, accelerator, batch, mb_args, step)
+        bad_steps = bad_steps + skipped if skipped else 0
+        if skipped:
+            accelerator.print(f"step {step}: {skipped} update(s) skipped for a non-finite loss or gradient norm")
+        if bad_steps >= args.max_bad_steps:
+            raise SystemExit(f"stopping: {bad_steps} consecutive non-finite updates (see --max-bad-steps)")
+        t_train = time.time() - t0 - t_gen - t_reward - t_old
+        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout samples the new policy
+        t_sync = time.time() - t0 - t_gen - t_reward - t_old - t_train
+
+        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        g = lambda x: (lambda y: y[~y.isnan()])(accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))))  # noqa: E731
+        all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
+        group_acc = all_correct.view(-1, args.group_size).mean(1)
+        counts = {k: g(v).mean().item() for k, v in sums.items()}
+        n_tokens = all_len.sum().item()
+        step_time = time.time() - t0
+        metrics = {
+            "train/reward_mean": all_rew.mean().item(),
+            "train/reward_std": all_rew.std().item(),
+            "train/accuracy": all_correct.mean().item(),
+            "train/response_length_mean": all_len.mean().item(),
+            "train/response_length_max": all_len.max().item(),
+            "train/response_length_correct": all_len[all_correct > 0].mean().item() if (all_correct > 0).any() else float("nan"),
+            "train/response_length_incorrect": all_len[all_correct == 0].mean().item() if (all_correct == 0).any() else float("nan"),
+            "train/truncated_frac": g(truncated).mean().item(),
+            "train/groups_all_correct": (group_acc == 1).float().mean().item(),
+            "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
+            "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
+            **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size).items()},
+            **{f"train/{k}": v for k, v in counts.items()},
+            "train/no_signal": float(not has_signal),
+            "train/gen_rounds": float(gen_round + 1),
+            "train/kept_group_frac": filter_groups(all_correct, args.group_size).float().mean().item() if args.dynamic_sampling else 1.0,
+            "train/train_groups": float(len(kept) * world),
+            "train/grad_norm": grad_norm.item(),
+            "train/skipped_updates": float(skipped),
+            "train/lr": scheduler.get_last_lr()[0],
+            "time/generate": t_gen,
+            "time/reward": t_reward,
+            "time/old_logprobs": t_old,
+            "time/train": t_train,
+            "time/weight_sync": t_sync,
+            "time/step": step_time,
+            "time/tokens_per_s": n_tokens / step_time,
+        }
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.total_steps):
+            t_eval = time.time()
+            metrics.update(evaluate(sampler, eval_sets, tokenizer, args))
+            metrics["time/eval"] = time.time() - t_eval
+        log(metrics, step)
+        if writer is not None and args.log_samples_every > 0 and step % args.log_samples_every == 0:
+            samples = [{"step": step, "prompt": tokenizer.decode(prompts[i // args.group_size]), "completion": texts[i], "reward": rewards[i].item()} for i in range(0, len(texts), args.group_size)][:4]
+            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+            writer.add_text("samples", "\n\n---\n\n".join(f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}" for s in samples), step)
+        eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
+        accelerator.print(
+            f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} acc {metrics['train/accuracy']:.3f} "
+            f"len {metrics['train/response_length_mean']:.1f} {step_time:.2f}s/step eta {eta / 60:.1f}min"
+        )
+        stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0
+        if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
+            save_checkpoint(step + 1)
+        if stopping:
+            accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
+            return
+
+    save_checkpoint(args.total_steps)
+    if writer is not None:
+        writer.close()
+    accelerator.print(f"done: {run_dir}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
