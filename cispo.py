@@ -458,7 +458,7 @@ def main(args: Args) -> None:
     else:
         stamp = broadcast_object_list([int(time.time())])[0]
         run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
-        if os.path.exists(run_dir):
+        if broadcast_object_list([os.path.exists(run_dir)])[0]:  # rank 0's view: it creates the directory below
             raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
         parent = os.path.abspath(args.output_dir)
         while not os.path.exists(parent):

@@ -163,6 +163,8 @@ class Args:
     """k completions per evaluation question (avg@k, pass@k, maj@k)"""
     eval_temperature: float = 0.0
     """evaluation sampling temperature (0: greedy)"""
+    eval_top_p: float = 1.0
+    """evaluation nucleus sampling"""
     eval_max_new_tokens: int = 3000
     """evaluation generation budget"""
     eval_limit: int = 0
@@ -240,7 +242,7 @@ def format_prompt(question: str, template: str, tokenizer) -> str:
     if template == "qwen-boxed":
         messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
     else:
-        messages = [{"role": "user", "content": DAPO_TEMPLATE.format(question=question)}]
+        messages = [{"role": "user", "content": question if question.startswith(DAPO_TEMPLATE[:46]) else DAPO_TEMPLATE.format(question=question)}]  # DAPO-Math-17k's prompts carry it already
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
@@ -324,7 +326,7 @@ def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
     metrics, k = {}, args.eval_samples
     for name, (prompts, golds) in eval_sets.items():
-        top_p = args.top_p if args.eval_temperature > 0 else 1.0
+        top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
         texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
         correct, _ = score(texts, [g for g in golds for _ in range(k)])
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
@@ -431,7 +433,7 @@ def main(args: Args) -> None:
     else:
         stamp = broadcast_object_list([int(time.time())])[0]
         run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
-        if os.path.exists(run_dir):
+        if broadcast_object_list([os.path.exists(run_dir)])[0]:  # rank 0's view: it creates the directory below
             raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
         parent = os.path.abspath(args.output_dir)
         while not os.path.exists(parent):
