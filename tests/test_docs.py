@@ -1,0 +1,47 @@
+"""The README documents every flag of every script and every metric key a run writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import json
+import os
+import re
+
+import pytest
+
+from tests.test_scripts import ROOT, SCRIPTS, run_script, toy_flags
+
+
+def readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_flag_is_in_the_readme(script):
+    text = readme()
+    mod = importlib.import_module(script)
+    missing = [f.name for f in dataclasses.fields(mod.Args) if f"`--{f.name.replace('_', '-')}`" not in text]
+    assert not missing, f"{script}.py flags missing from README.md: {missing}"
+
+
+def documented_key(key: str) -> str:
+    """The README's spelling of a metric key: bucket values and dataset names become placeholders."""
+    key = re.sub(r"^(train/daro_[wLM]_)[0-9.]+$", r"\1<μ>", key)
+    return re.sub(r"^eval/[^/]+/(avg|pass|maj)@\d+$", r"eval/<dataset>/\1@k", key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_metric_key_is_in_the_readme(script, toy_assets, tmp_path):
+    extra = {"eval-every": 1, "eval-datasets": toy_assets["test"], "eval-prompt-column": "question", "eval-answer-column": "answer",
+             "eval-limit": 4, "eval-max-new-tokens": 2}
+    run_script(script, toy_flags(toy_assets, str(tmp_path), 2, **extra))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, f"{script}__*"))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        keys = {k for line in f for k in json.loads(line) if k != "step"}
+    text = readme()
+    missing = sorted({documented_key(k) for k in keys if f"`{documented_key(k)}`" not in text})
+    assert not missing, f"{script}.py metric keys missing from README.md: {missing}"

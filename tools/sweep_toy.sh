@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# All seven scripts on the offline toy task, same flags, then one plot (the README's figure):
+#   bash tools/sweep_toy.sh [out_dir]
+set -euo pipefail
+out=${1:-runs/toy_sweep}
+[ -d /tmp/toy/model ] || python -m tests.toy /tmp/toy
+common="--model-name-or-path /tmp/toy/model --dataset-name /tmp/toy/train.jsonl --prompt-column question
+  --answer-column answer --prompt-template none --group-size 8 --prompts-per-step 16 --max-new-tokens 2
+  --max-prompt-tokens 32 --learning-rate 3e-3 --micro-batch-size 128 --total-steps 150 --sampler hf
+  --save-every 0 --log-samples-every 0 --warmup-steps 0 --output-dir $out"
+python grpo.py $common --beta 0
+python dapo.py $common --max-gen-batches 3 --num-mini-batches 1
+python dr_grpo.py $common --num-mini-batches 1
+python lite_ppo.py $common
+python gspo.py $common
+python cispo.py $common --max-gen-batches 1 --num-mini-batches 4
+python daro.py $common
+python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out docs/toy_sweep.png
