@@ -50,3 +50,20 @@ def test_reflection_words_and_accuracy_split():
     stats = completion_stats(["wait no 3", "7", "however 4", "5"], [1.0, 0.0, 0.0, 1.0], group_size=2)
     assert stats["reflection_frac"] == 0.5
     assert stats["accuracy_with_reflection"] == 0.5 and stats["accuracy_without_reflection"] == 0.5
+
+
+def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
+    """grpo.evaluate with a scripted sampler: 2 questions x k=4 samples with known answers."""
+    import grpo
+    from common.sampling import Completion
+
+    class Scripted:
+        def generate(self, prompts, n, temperature, top_p, max_new_tokens):
+            texts = {0: ["4", "4", "5", "x"], 1: ["1", "2", "2", "3"]}  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
+            return [Completion(token_ids=[1], text=t, truncated=False) for q in range(len(prompts)) for t in texts[q]]
+
+    args = grpo.Args(eval_samples=4)
+    metrics = grpo.evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, None, args)
+    assert metrics["eval/toy/avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert metrics["eval/toy/pass@4"] == 1.0
+    assert metrics["eval/toy/maj@4"] == pytest.approx(0.5)

@@ -1,0 +1,130 @@
+"""Step time of grpo.py against TRL's GRPOTrainer on the same model, batch, lengths and loss, back to back.
+
+    pip install -r benchmarks/requirements.txt
+    python benchmarks/bench_step.py                  # CPU: a small random Qwen2, writes benchmarks/results/step_cpu.md
+
+Both sides: the same randomly initialised Qwen2 (built here, --hidden/--layers), the toy a+b prompts,
+G = --group-size completions for --prompts prompts per step, at most --new-tokens new tokens per completion
+(the random model rarely samples EOS, so most completions use the whole budget on both sides), Hugging Face
+generate, GRPO's per-sequence loss (TRL loss_type="grpo"), beta = --beta, one update per
+rollout, lr 1e-6, fp32. Reported: median seconds per training step over the steps after --warmup, and our
+per-phase breakdown from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def build_model(root: str, hidden: int, layers: int) -> str:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.toy import build_tokenizer
+
+    out = os.path.join(root, "model")
+    tok = build_tokenizer(out)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def ours(model: str, data: str, a) -> tuple[float, dict]:
+    out = tempfile.mkdtemp()
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model-name-or-path", model, "--dataset-name", data,
+           "--prompt-column", "question", "--answer-column", "answer", "--prompt-template", "none",
+           "--group-size", str(a.group_size), "--prompts-per-step", str(a.prompts), "--max-new-tokens", str(a.new_tokens),
+           "--learning-rate", "1e-6", "--beta", str(a.beta), "--micro-batch-size", str(a.micro_batch),
+           "--total-steps", str(a.steps), "--sampler", "hf", "--output-dir", out, "--save-every", "0", "--log-samples-every", "0"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    (run,) = os.listdir(out)
+    rows = [json.loads(line) for line in open(os.path.join(out, run, "metrics.jsonl"))][a.warmup :]
+    phases = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("time/")}
+    return statistics.median(r["time/step"] for r in rows), phases
+
+
+def trl(model: str, data: str, a) -> float:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.reward import math_reward
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.padding_side = "left"
+    ds = datasets.load_dataset("json", data_files=data, split="train").rename_column("question", "prompt")
+
+    def reward(completions, answer, **_):
+        return math_reward(completions, answer)
+
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *args, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    n = a.group_size * a.prompts
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=n, num_generations=a.group_size,
+                     generation_batch_size=n, steps_per_generation=1, num_iterations=1, max_completion_length=a.new_tokens,
+                     learning_rate=1e-6, beta=a.beta, loss_type="grpo", epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0,
+                     max_steps=a.steps, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                     gradient_accumulation_steps=1, disable_dropout=True, seed=1, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=reward, args=cfg, train_dataset=ds,
+                          processing_class=tok, callbacks=[Timer()])
+    trainer.train()
+    return statistics.median(times[a.warmup :])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    a = p.parse_args()
+    from tests.toy import write_dataset
+
+    root = tempfile.mkdtemp()
+    model = build_model(root, a.hidden, a.layers)
+    data = write_dataset(os.path.join(root, "train.jsonl"), n=512)
+    ours_s, phases = ours(model, data, a)
+    trl_s = trl(model, data, a)
+    import torch
+    import trl as trl_pkg
+
+    lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
+             f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}",
+             "", "| | grpo.py | TRL GRPOTrainer | ours / TRL |", "|---|---|---|---|",
+             f"| median s/step | {ours_s:.3f} | {trl_s:.3f} | {ours_s / trl_s:.2f} |", "",
+             "grpo.py phases (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")]
+    table = "\n".join(lines)
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "step_cpu.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
