@@ -43,8 +43,10 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
@@ -95,6 +97,8 @@ class Args:
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt (kept as is where present)"""
     max_prompt_tokens: int = 2048
     """prompts longer than this are dropped at load time (and counted)"""
+    max_bad_answer_frac: float = 0.1
+    """refuse a dataset where more than this fraction of answers cannot be parsed (fewer are dropped and counted)"""
 
     # Sampling
     sampler: Literal["auto", "vllm", "hf"] = "auto"
@@ -280,13 +284,15 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
         if ext in (".jsonl", ".json", ".parquet"):
             if not os.path.exists(name):
                 raise SystemExit(f"{flag}: no such file {name!r}")
+            if os.path.getsize(name) == 0:
+                raise SystemExit(f"{flag}: dataset {name!r} is empty")
             ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=name, split="train")
         else:
             ds = datasets.load_dataset(name, config, split=split)
     except SystemExit:
         raise
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise SystemExit(f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {e}") from None
+        raise SystemExit(f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
     for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
         if col not in ds.column_names:
             raise SystemExit(f"{col_flag}: column {col!r} not in {name!r}; available: {ds.column_names}")
@@ -298,6 +304,9 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
 def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     """Tokenised prompts and their answers; prompts over --max-prompt-tokens and unparseable answers dropped."""
     bad = set(find_unparseable_gold(answers))
+    if len(bad) > args.max_bad_answer_frac * len(answers):
+        examples = [answers[i][:60] for i in sorted(bad)[:3]]
+        raise SystemExit(f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}")
     prompts, golds, too_long = [], [], 0
     for i, (q, a) in enumerate(zip(questions, answers)):
         ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
@@ -312,8 +321,19 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     if too_long:
         print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
     if not prompts:
-        raise SystemExit(f"{flag}: no usable rows left (unparseable answers: {len(bad)}, too long: {too_long})")
+        raise SystemExit(f"{flag}: no usable rows left (unparseable answers: {len(bad)}, longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})")
     return prompts, golds
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """The run's complete checkpoints, checkpoints/step_<k> holding trainer.json, oldest first. What a kill
+    mid-save leaves (a step_<k>.tmp directory, or a step_<k> without trainer.json) is not one."""
+    found = []
+    for path in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")):
+        m = re.fullmatch(r"step_(\d+)", os.path.basename(path))
+        if m and os.path.isfile(os.path.join(path, "trainer.json")):
+            found.append((int(m.group(1)), path))
+    return [path for _, path in sorted(found)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -436,7 +456,7 @@ def main(args: Args) -> None:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} and --gen-prompts-per-round {gen_prompts} must be divisible by the number of processes {world}")
     if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
         raise SystemExit(f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions")
-    if args.resume and not glob.glob(os.path.join(args.resume, "checkpoints", "step_*", "trainer.json")):
+    if args.resume and not complete_checkpoints(args.resume):
         raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -463,8 +483,10 @@ def main(args: Args) -> None:
         parent = os.path.abspath(args.output_dir)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable")
+        try:  # a probe, not os.access: root passes os.access everywhere, and a file cannot hold a directory
+            os.rmdir(tempfile.mkdtemp(dir=parent))
+        except OSError as e:
+            raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable ({e.strerror})") from None
 
     # TRY NOT TO MODIFY: seeding, run directory, logging
     random.seed(args.seed)
@@ -495,8 +517,7 @@ def main(args: Args) -> None:
     ref_policy = None
     start_step = data_round = 0  # data_round: generation rounds consumed so far, the data stream's position
     if args.resume:
-        last = max(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
-        last = os.path.dirname(last)
+        last = complete_checkpoints(run_dir)[-1]
         accelerator.load_state(os.path.join(last, "state"))
         with open(os.path.join(last, "trainer.json")) as f:
             state = json.load(f)
@@ -508,7 +529,7 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [r for r in f if json.loads(r)["step"] < start_step]
+                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]  # a kill can cut the last row
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -518,6 +539,9 @@ def main(args: Args) -> None:
         temporary directory and renamed, so a kill mid-save never leaves a half checkpoint behind."""
         final = os.path.join(run_dir, "checkpoints", f"step_{step}")
         tmp = final + ".tmp"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that a kill cut short
+        accelerator.wait_for_everyone()
         accelerator.save_state(os.path.join(tmp, "state"))
         samplers = gather_object([sampler.state_dict()])
         if accelerator.is_main_process:
@@ -527,9 +551,8 @@ def main(args: Args) -> None:
                 json.dump({"step": step, "sampler": samplers, "data_round": data_round}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            done = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "trainer.json")), key=lambda p: int(p.split("_")[-1].split(os.sep)[0]))
-            for old in done[: -args.keep_checkpoints]:
-                shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+            for old in complete_checkpoints(run_dir)[: -args.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
         accelerator.wait_for_everyone()
 
     def log(metrics: dict[str, float], step: int) -> None:
@@ -673,6 +696,8 @@ def main(args: Args) -> None:
         if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
             save_checkpoint(step + 1)
         if stopping:
+            if writer is not None:
+                writer.close()
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
             return
 
