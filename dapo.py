@@ -43,7 +43,6 @@ import contextlib
 import functools
 import glob
 import json
-import math
 import os
 import random
 import re

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import glob
 import json
-import math
 import os
 import random
 import re

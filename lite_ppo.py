@@ -36,7 +36,6 @@ import contextlib
 import functools
 import glob
 import json
-import math
 import os
 import random
 import re

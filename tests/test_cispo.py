@@ -14,6 +14,7 @@ import torch
 import cispo
 import grpo
 from tests.reference import aggregate, group_advantages
+from tests.checks import assert_micro_batches_add_up
 
 
 def make_args(**kw):
@@ -176,23 +177,10 @@ def test_on_policy_gradient_is_reinforce():
 
 
 def test_micro_batches_sum_to_the_mini_batch_gradient():
-    from common.loss import grad_normalizers
-
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = cispo.compute_advantages(rewards, args)
-    logps.requires_grad_(True)
-    loss, stats = cispo.compute_policy_loss(logps, old, adv, mask, args)
-    (whole,) = torch.autograd.grad(loss, logps)
-    chunks = [slice(0, 5), slice(5, 7), slice(7, 12)]
-    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    parts = [cispo.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs) for c in chunks]
-    total = sum(p[0] for p in parts)
-    (split,) = torch.autograd.grad(total, logps)
-    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
-    torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
-    for k in ("cap_frac", "is_weight_mean", "approx_kl"):
-        torch.testing.assert_close(sum(p[1][k] for p in parts), stats[k], rtol=0, atol=1e-6)
+    assert_micro_batches_add_up(cispo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("cap_frac", "is_weight_mean", "approx_kl"))
 
 
 def test_filter_groups_keeps_groups_with_some_but_not_all_correct():

@@ -14,6 +14,7 @@ import torch
 import dapo
 import grpo
 from tests.reference import aggregate, group_advantages, ppo_clip_token
+from tests.checks import assert_micro_batches_add_up
 
 
 def make_args(**kw):
@@ -224,23 +225,10 @@ def test_clip_higher_is_asymmetric():
 
 
 def test_micro_batches_sum_to_the_mini_batch_gradient():
-    from common.loss import grad_normalizers
-
     args = make_args()
     correct, _, mask, old, logps = rollout(2)
     adv = dapo.compute_advantages(correct * 2 - 1, args)
-    logps.requires_grad_(True)
-    loss, stats = dapo.compute_policy_loss(logps, old, adv, mask, args)
-    (whole,) = torch.autograd.grad(loss, logps)
-    chunks = [slice(0, 5), slice(5, 7), slice(7, 12)]
-    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    parts = [dapo.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs) for c in chunks]
-    total = sum(p[0] for p in parts)
-    (split,) = torch.autograd.grad(total, logps)
-    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
-    torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
-    for k in ("clip_frac_low", "clip_frac_high", "approx_kl"):
-        torch.testing.assert_close(sum(p[1][k] for p in parts), stats[k].to(torch.float32), rtol=1e-6, atol=1e-7)
+    assert_micro_batches_add_up(dapo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
 
 
 def test_a_fully_masked_mini_batch_gives_zero_not_nan():

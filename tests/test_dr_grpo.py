@@ -10,6 +10,7 @@ import torch
 import dr_grpo
 import grpo
 from tests.reference import ppo_clip_token
+from tests.checks import assert_micro_batches_add_up
 
 L_MAX = 8  # the generation budget in these tests (longer than any completion below)
 
@@ -165,23 +166,10 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 
 
 def test_micro_batches_sum_to_the_mini_batch_loss_and_gradient():
-    from common.loss import grad_normalizers
-
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = dr_grpo.compute_advantages(rewards, args)
-    logps.requires_grad_(True)
-    loss, stats = dr_grpo.compute_policy_loss(logps, old, adv, mask, args)
-    (whole,) = torch.autograd.grad(loss, logps)
-    chunks = [slice(0, 5), slice(5, 7), slice(7, 12)]
-    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    parts = [dr_grpo.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs) for c in chunks]
-    total = sum(p[0] for p in parts)
-    (split,) = torch.autograd.grad(total, logps)
-    torch.testing.assert_close(split, whole, rtol=0, atol=1e-15)
-    torch.testing.assert_close(total, loss, rtol=0, atol=1e-15)
-    for k in ("clip_frac_low", "clip_frac_high", "approx_kl"):
-        torch.testing.assert_close(sum(p[1][k] for p in parts), stats[k], rtol=0, atol=1e-6)  # fp32 stats
+    assert_micro_batches_add_up(dr_grpo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
 
 
 def test_reference_log_probs_are_ignored():

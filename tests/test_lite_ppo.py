@@ -15,6 +15,7 @@ import torch
 import grpo
 import lite_ppo
 from tests.reference import ppo_clip_token
+from tests.checks import assert_micro_batches_add_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,23 +150,10 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 
 
 def test_micro_batches_sum_to_the_mini_batch_loss_and_gradient():
-    from common.loss import grad_normalizers
-
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = lite_ppo.compute_advantages(rewards, args)
-    logps.requires_grad_(True)
-    loss, stats = lite_ppo.compute_policy_loss(logps, old, adv, mask, args)
-    (whole,) = torch.autograd.grad(loss, logps)
-    chunks = [slice(0, 5), slice(5, 7), slice(7, 12)]
-    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    parts = [lite_ppo.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs) for c in chunks]
-    total = sum(p[0] for p in parts)
-    (split,) = torch.autograd.grad(total, logps)
-    torch.testing.assert_close(split, whole, rtol=0, atol=1e-15)
-    torch.testing.assert_close(total, loss, rtol=0, atol=1e-15)
-    for k in ("clip_frac_low", "clip_frac_high", "approx_kl"):
-        torch.testing.assert_close(sum(p[1][k] for p in parts), stats[k], rtol=0, atol=1e-6)  # fp32 stats
+    assert_micro_batches_add_up(lite_ppo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
 
 
 def test_defaults_are_the_papers():

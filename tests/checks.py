@@ -1,0 +1,29 @@
+"""Shared test harness: properties every script's `compute_policy_loss` must have, checked the same way."""
+
+from __future__ import annotations
+
+import torch
+
+from common.loss import grad_normalizers
+
+MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
+
+
+def assert_micro_batches_add_up(compute_policy_loss, logps, old, adv, mask, args, stat_keys=(), chunks=MICRO_CHUNKS, **extra):
+    """The loss, its gradient and the `stat_keys` stats of the whole mini-batch equal the sums over its
+    micro-batches when each gets the mini-batch's normalisers (common.loss.grad_normalizers). `extra` tensors
+    ([B, ...]) are sliced like the batch. Returns the whole mini-batch's (loss, stats)."""
+    logps = logps.detach().requires_grad_(True)
+    loss, stats = compute_policy_loss(logps, old, adv, mask, args, **extra)
+    (whole,) = torch.autograd.grad(loss, logps)
+    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
+    parts = [compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs,
+                                 **{k: v[c] for k, v in extra.items()}) for c in chunks]
+    total = sum(p[0] for p in parts)
+    (split,) = torch.autograd.grad(total, logps)
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
+    for k in stat_keys:  # stats may be fp32
+        torch.testing.assert_close(sum(p[1][k] for p in parts).double(), stats[k].double(), rtol=1e-6, atol=1e-6)
+    return loss, stats
+
