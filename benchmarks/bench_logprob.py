@@ -1,6 +1,6 @@
 """Time and peak memory of the output layer -> per-token log-probs + entropy -> loss -> backward path.
 
-    python benchmarks/bench_logprob.py                 # CPU table, writes benchmarks/results/logprob_<device>.md
+    python benchmarks/bench_logprob.py                 # writes benchmarks/results/logprob_<device>_V<vocabs>_chunk<c>.md
     python benchmarks/bench_logprob.py --vocab 32768 --tokens 4096 --methods naive ours
 
 Methods (all fp32 master weights, same inputs, loss = token mean of -logp * adv):
@@ -118,7 +118,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     header = f"hidden {a.hidden}, chunk {a.chunk}, fp32, {os.cpu_count()} CPU threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n"
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"logprob_{device}.md"), "w") as f:
+    name = f"logprob_{device}_V{'_'.join(str(v) for v in a.vocab)}_chunk{a.chunk}.md"
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
         f.write(header + table + "\n")
     print(header + table)
 

@@ -82,7 +82,7 @@ def trl(model: str, data: str, a) -> float:
 
     n = a.group_size * a.prompts
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=n, num_generations=a.group_size,
-                     generation_batch_size=n, steps_per_generation=1, num_iterations=1, max_completion_length=a.new_tokens,
+                     generation_batch_size=n, num_iterations=1, max_completion_length=a.new_tokens,
                      learning_rate=1e-6, beta=a.beta, loss_type="grpo", epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0,
                      max_steps=a.steps, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
                      gradient_accumulation_steps=1, disable_dropout=True, seed=1, dataloader_num_workers=0)
