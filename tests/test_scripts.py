@@ -120,3 +120,26 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flag, value, message, to
     assert proc.returncode != 0
     assert message in proc.stderr.strip().splitlines()[-1]
     assert not out.exists()
+
+
+def _vllm_ready() -> bool:
+    try:
+        import torch
+
+        from common.sampling import vllm_available
+        return torch.cuda.is_available() and vllm_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _vllm_ready(), reason="needs CUDA and vllm")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_multi_step_run_with_vllm(script, toy_assets, tmp_path):
+    """GPU only (never run yet, see README "GPU status"): a few steps with the vLLM sampler; the log-prob
+    canary stays small, i.e. the engine follows the trained weights."""
+    run_script(script, toy_flags(toy_assets, str(tmp_path), 4, **{"sampler": "vllm", "exp-name": "gpu", "vllm-gpu-memory-utilization": 0.2}))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "gpu__*"))
+    rows = read_metrics(run_dir)
+    assert len(rows) == 4
+    assert all(r.get("train/logprob_diff_mean", 0.0) < 1e-2 for r in rows)
