@@ -44,11 +44,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         for s in range(0, n, chunk_size):
-            logits = (hidden[s : s + chunk_size] @ weight.T).to(acc) / temperature
+            # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
+            logits = (hidden[s : s + chunk_size] @ weight.T).to(acc).div_(temperature)
             lse_c = torch.logsumexp(logits, dim=-1)
-            logp_all = logits - lse_c[:, None]
-            logps[s : s + chunk_size] = logp_all.gather(1, targets[s : s + chunk_size, None]).squeeze(1)
-            entropy[s : s + chunk_size] = -(logp_all.exp() * logp_all).sum(-1)
+            logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
+            logp_all = logits.sub_(lse_c[:, None])
+            entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
             lse[s : s + chunk_size] = lse_c
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
@@ -66,9 +67,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[s : s + ctx.chunk_size]
             g = grad_logps[s : s + ctx.chunk_size]
-            logits = (h @ weight.T).to(acc) / ctx.temperature
+            logits = (h @ weight.T).to(acc).div_(ctx.temperature)
             # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
-            d_logits = torch.exp(logits - lse[s : s + ctx.chunk_size, None]).mul_(-g[:, None])
+            d_logits = logits.sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
             d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
             d_logits.div_(ctx.temperature)
             if need_h:
