@@ -8,6 +8,8 @@ states and turns only the completion positions into log-probs, `chunk_size` rows
 `chunked_logprobs`, a custom autograd function: the forward keeps the hidden states, the output weight and
 one logsumexp per token; the backward recomputes each chunk's logits and writes the gradient straight into
 d(hidden) and d(weight). Peak extra memory is one chunk x vocab in fp32 instead of all tokens x vocab.
+With kernel="triton" (GPU) the forward is instead one fused Triton kernel (common/triton_logprobs.py) that
+never holds more than a tile of logits; the backward is the same chunked recompute.
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
 drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum")
+KERNELS = ("torch", "triton")
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -34,23 +37,47 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _check_kernel(kernel: str) -> None:
+    """Rejects unknown kernels, and kernel="triton" without triton installed, before any work is done."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown log-prob kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel == "triton":
+        try:
+            import common.triton_logprobs  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "kernel='triton' needs the triton package (it comes with CUDA builds of torch; otherwise "
+                "pip install triton), or use kernel='torch'"
+            ) from e
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int):
-        n, acc = hidden.shape[0], _acc_dtype(hidden)
-        logps = torch.empty(n, dtype=acc, device=hidden.device)
-        entropy = torch.empty(n, dtype=acc, device=hidden.device)
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        for s in range(0, n, chunk_size):
-            # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
-            logits = (hidden[s : s + chunk_size] @ weight.T).to(acc).div_(temperature)
-            lse_c = torch.logsumexp(logits, dim=-1)
-            logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
-            logp_all = logits.sub_(lse_c[:, None])
-            entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
-            lse[s : s + chunk_size] = lse_c
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int, kernel: str
+    ):
+        if kernel == "triton":  # fused forward; the backward below only needs its lse
+            from common.triton_logprobs import fused_logprobs_forward
+
+            h, w, dev = hidden, weight, hidden.device.type
+            if torch.is_autocast_enabled(dev):  # multiply in the autocast dtype, as `hidden @ weight.T` would
+                h, w = hidden.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))
+            logps, entropy, lse = fused_logprobs_forward(h, w, targets, temperature)
+        else:
+            n, acc = hidden.shape[0], _acc_dtype(hidden)
+            logps = torch.empty(n, dtype=acc, device=hidden.device)
+            entropy = torch.empty(n, dtype=acc, device=hidden.device)
+            lse = torch.empty(n, dtype=acc, device=hidden.device)
+            for s in range(0, n, chunk_size):
+                # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
+                logits = (hidden[s : s + chunk_size] @ weight.T).to(acc).div_(temperature)
+                lse_c = torch.logsumexp(logits, dim=-1)
+                logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
+                logp_all = logits.sub_(lse_c[:, None])
+                entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
+                lse[s : s + chunk_size] = lse_c
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -76,22 +103,30 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_h[s : s + ctx.chunk_size] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(d_logits.T, h.to(acc))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def chunked_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    kernel: str = "torch",
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of `targets` and entropies under logits `hidden @ weight.T / temperature`.
 
     hidden: [..., H]; weight: [V, H] (a bias-free output layer); targets: [...] token ids.
     Returns (logps, entropy), both fp32 (fp64 for fp64 inputs) of shape [...]; only logps carries a gradient.
+    kernel: "torch" (chunked matmul + log-softmax) or "triton" (fused Triton forward, CUDA tensors; the
+    backward is the same chunked recompute either way, `chunk_size` rows at a time).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    _check_kernel(kernel)
     shape = targets.shape
     logps, entropy = _ChunkedLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(chunk_size)
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(chunk_size), kernel
     )
     return logps.view(shape), entropy.view(shape)
 
@@ -104,10 +139,12 @@ class TokenLogProbs(nn.Module):
     Save the LM itself with `unwrap_model(wrapper).lm.save_pretrained(...)`.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch"):
         super().__init__()
+        _check_kernel(kernel)
         self.lm = lm
         self.chunk_size = chunk_size
+        self.kernel = kernel
         head = lm.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError("TokenLogProbs supports bias-free output layers only")
@@ -125,7 +162,7 @@ class TokenLogProbs(nn.Module):
         hidden = hidden[:, completion_start - 1 : -1]
         targets = input_ids[:, completion_start:]
         weight = self.lm.get_output_embeddings().weight
-        return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size)
+        return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size, self.kernel)
 
 
 def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
