@@ -138,6 +138,8 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
+    logprob_kernel: Literal["torch", "triton"] = "torch"
+    """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
 
@@ -486,7 +488,7 @@ def main(args: Args) -> None:
         tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens),
     )
-    policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size)
+    policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
