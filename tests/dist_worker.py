@@ -1,4 +1,5 @@
-"""Worker for tests/test_distributed.py: one gradient of a script's `update_policy` on a fixed rollout.
+"""Worker for tests/test_distributed.py: one gradient of a script's `update_policy` on a fixed rollout, under DDP
+or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built as the scripts build it).
 
     python tests/dist_worker.py SCRIPT OUT_DIR MODEL_DIR MICRO_BATCH [key=value ...]
     torchrun --nproc_per_node 2 tests/dist_worker.py ...
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
     from transformers import AutoModelForCausalLM
 
     from common.loss import TokenLogProbs
@@ -28,7 +30,8 @@ def main() -> None:
     script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
     mod = importlib.import_module(script)
-    accelerator = Accelerator(cpu=True)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
+    accelerator = Accelerator(cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None)
     rank, world = accelerator.process_index, accelerator.num_processes
     args = mod.Args(group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6)
     for k, v in overrides.items():
@@ -44,11 +47,21 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
     policy = TokenLogProbs(model)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # as the scripts set it
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world, gradient_accumulation_steps=1,
+            gradient_clipping=args.max_grad_norm, zero_allow_untested_optimizer=True)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    names = [k for k, _ in accelerator.unwrap_model(policy).lm.named_parameters()]
+    before = {k: v.clone() for k, v in (accelerator.get_state_dict(policy) or {}).items()}  # full, on rank 0 (ZeRO-3: gathered)
+    if deepspeed:  # the vLLM weight push under ZeRO-3: every rank gets the full tensors under the checkpoint's names
+        from common.sampling import iter_weight_buckets
+        from tests.test_sampling import _assert_matches_checkpoint, _checkpoint, _flatten
+
+        _assert_matches_checkpoint(_flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir))
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     advantages = torch.zeros(n)
     advantages[share] = mod.compute_advantages(rewards[share], args)  # on this rank's share, as main() does
@@ -56,10 +69,11 @@ def main() -> None:
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, c_len, generator=g, dtype=torch.float64) * 6)[share]
     mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
-    after = dict(accelerator.unwrap_model(policy).lm.named_parameters())
-    grad = {k: before[k] - after[k].detach() for k in before}
+    after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:
-        torch.save({"world_size": world, "grad": grad}, os.path.join(out_dir, f"grad_{script}_{world}_{micro}.pt"))
+        grad = {k: before["lm." + k] - after["lm." + k] for k in names}
+        tag = "_zero3" if deepspeed else ""
+        torch.save({"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)}, os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"))
     accelerator.wait_for_everyone()
 
 
