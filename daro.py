@@ -493,6 +493,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
             mass, bucket_seqs = accelerator.reduce(bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens), "mean")
             daro.step(mass, bucket_seqs > 0)
             for j, c in enumerate(chunks):
+                accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
                 with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                     logps, entropy = policy(ids[c], attn[c], batch["p_len"], args.temperature)
                     old = logps.detach() if "old_logps" not in batch else batch["old_logps"][c]
@@ -506,7 +507,8 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
-            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # DeepSpeed: its float
+            grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=device)
             if torch.isfinite(grad_norm):  # one host sync per optimizer step, never per micro-batch
                 optimizer.step()
             else:
@@ -524,7 +526,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: validation before anything is written
     from accelerate import Accelerator
-    from accelerate.utils import broadcast_object_list, gather_object
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object
     from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -541,7 +543,9 @@ def main(args: Args) -> None:
     if args.vllm_enable_sleep_mode and args.sampler == "hf":
         raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed)
+    # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
+    cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    accelerator = Accelerator(cpu=cpu and not use_deepspeed, mixed_precision=mixed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None)
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}")
@@ -604,6 +608,10 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # its engine clips and steps: our values, not the config's
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=args.micro_batch_size, train_batch_size=args.micro_batch_size * world,
+            gradient_accumulation_steps=1, gradient_clipping=args.max_grad_norm)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
     daro = DaroWeights(args, accelerator.device)  # ALGO LOGIC: the learnable bucket weights, saved with the accelerate state
@@ -637,8 +645,10 @@ def main(args: Args) -> None:
         accelerator.wait_for_everyone()
         accelerator.save_state(os.path.join(tmp, "state"))
         samplers = gather_object([sampler.state_dict()])
+        weights = accelerator.get_state_dict(policy)  # full weights on rank 0, gathered under FSDP / ZeRO-3
         if accelerator.is_main_process:
-            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"))
+            lm_weights = {k.removeprefix("lm."): v for k, v in weights.items()}
+            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
                 json.dump({"step": step, "sampler": samplers}, f)
