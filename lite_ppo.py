@@ -132,6 +132,9 @@ class Args:
     """passes over each rollout"""
     micro_batch_size: int = 4
     """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
+    micro_batch_tokens: int = 0
+    """when > 0, micro-batches are packed by tokens instead of rows: each mini-batch's sequences, longest first, fill
+    micro-batches of at most this many (padded) tokens; the gradient is the same, with less padding"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on CUDA, none on CPU"""
     gradient_checkpointing: bool = False
@@ -360,10 +363,43 @@ def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
     return metrics
 
 
+def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: Args) -> list[tuple[list[int], int, int]]:
+    """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
+    longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
+    lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
+    --micro-batch-tokens, longest completion first, as many rows as fit rows x (prompt + completion width)."""
+    if args.micro_batch_tokens <= 0:
+        groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
+    else:
+        groups, width = [], (0, 0)
+        for r in sorted(rows, key=lambda r: -lens[r][1]):
+            w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
+            if not groups or (len(groups[-1]) + 1) * sum(w) > args.micro_batch_tokens:
+                groups.append([])
+                w = lens[r]
+            groups[-1].append(r)
+            width = w
+    return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
+
+
+def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
+    """Rows `idx` of the rollout's tensors, with the padding beyond the widths removed: input columns
+    [p_len - p_w, p_len + c_w) and completion columns [0, c_w)."""
+    p_len = batch["p_len"]
+    out = {k: batch[k][idx, :c_w] for k in ("mask", "old_logps", "ref_logps", "sampler_logps") if k in batch}
+    out.update(ids=batch["ids"][idx, p_len - p_w : p_len + c_w], attn=batch["attn"][idx, p_len - p_w : p_len + c_w], advantages=batch["advantages"][idx])
+    return out
+
+
 def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
-    """Per-token log-probs of the whole rollout under `policy`, micro-batch by micro-batch, without gradient."""
-    ids, attn, n = batch["ids"], batch["attn"], batch["ids"].shape[0]
-    return torch.cat([policy(ids[i : i + args.micro_batch_size], attn[i : i + args.micro_batch_size], batch["p_len"], args.temperature)[0] for i in range(0, n, args.micro_batch_size)])
+    """Per-token log-probs [N, C] of the whole rollout under `policy`, micro-batch by micro-batch, without gradient
+    (zeros past each micro-batch's width)."""
+    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
+    for rows, p_w, c_w in micro_batches(list(range(len(batch["lens"]))), batch["lens"], args):
+        idx = torch.tensor(rows, device=logps.device)
+        mb = cut(batch, idx, p_w, c_w)
+        logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, args.temperature)[0].to(logps.dtype)
+    return logps
 
 
 def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int):
@@ -372,27 +408,27 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     accumulated gradient equals the whole mini-batch's, on any number of ranks). Returns the summed stats
     (means over the rollout), the mean gradient norm and how many updates were skipped as non-finite.
     Nothing in the micro-batch loop reads a tensor on the host."""
-    ids, attn, mask, advantages = batch["ids"], batch["attn"], batch["mask"], batch["advantages"]
-    n, device = ids.shape[0], ids.device
+    n, device = batch["ids"].shape[0], batch["ids"].device
     sums: dict[str, torch.Tensor] = {}
     grad_norms, skipped, canary = [], 0, []
     mb_size = n // args.num_mini_batches
     for epoch in range(args.ppo_epochs):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch)).to(device)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            chunks = list(perm[mb * mb_size : (mb + 1) * mb_size].split(args.micro_batch_size))
-            num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-            for j, c in enumerate(chunks):
+            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)  # host-side lengths
+            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]  # index copies, before the loop
+            num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
+            for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
+                m = cut(batch, c, p_w, c_w)  # this micro-batch's rows, cut to its own padding
                 with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
-                    logps, entropy = policy(ids[c], attn[c], batch["p_len"], args.temperature)
-                    old = logps.detach() if "old_logps" not in batch else batch["old_logps"][c]
-                    ref = batch["ref_logps"][c] if "ref_logps" in batch else None
-                    loss, stats = compute_policy_loss(logps, old, advantages[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=ref)
+                    logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
+                    old = logps.detach() if "old_logps" not in m else m["old_logps"]
+                    loss, stats = compute_policy_loss(logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=m.get("ref_logps"))
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, mask[c], "token-mean", num_tokens=num_tokens)
-                if "sampler_logps" in batch and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
-                    canary.append(((logps.detach() - batch["sampler_logps"][c]).abs() * mask[c]).flatten())
+                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
+                    canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
@@ -408,7 +444,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     if canary:
         diffs = torch.cat(canary)
         sums["logprob_diff_max"] = diffs.max()
-        sums["logprob_diff_mean"] = diffs.sum() / mask[perm[:mb_size]].sum().clamp(min=1)
+        sums["logprob_diff_mean"] = diffs.sum() / batch["mask"][perm[:mb_size].to(device)].sum().clamp(min=1)
     return sums, torch.stack(grad_norms).mean(), skipped
 
 
@@ -423,6 +459,8 @@ def main(args: Args) -> None:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
     if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
         raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
+    if args.micro_batch_tokens < 0:
+        raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
     if args.temperature <= 0:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
     if args.total_steps == 0 and args.eval_every <= 0:
@@ -583,7 +621,8 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
         ids, attn, mask, p_len = pad_batch([p for p in prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id)
-        batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages}
+        batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
+                 "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
         if all(c.logprobs is not None for c in completions):  # the sampler's own log-probs, for the canary only
             batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0

@@ -65,14 +65,15 @@ def main() -> None:
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     advantages = torch.zeros(n)
     advantages[share] = mod.compute_advantages(rewards[share], args)  # on this rank's share, as main() does
-    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "advantages": advantages[share]}
+    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "advantages": advantages[share],
+             "lens": [(p_len, int(k)) for k in lengths[share]]}
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, c_len, generator=g, dtype=torch.float64) * 6)[share]
     mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
-        tag = "_zero3" if deepspeed else ""
+        tag = ("_zero3" if deepspeed else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
         torch.save({"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)}, os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"))
     accelerator.wait_for_everyone()
 

@@ -6,6 +6,7 @@ import contextlib
 import glob
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -291,6 +292,8 @@ class TablePolicy(torch.nn.Module):
 class SingleProcess:
     """The parts of accelerate.Accelerator that update_policy uses, for one process."""
 
+    gradient_state = types.SimpleNamespace(_set_sync_gradients=lambda sync: None)
+
     def reduce(self, t, reduction):
         return t.clone()
 
@@ -312,7 +315,7 @@ def test_update_policy_steps_the_weights_then_uses_them(given):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50, (24, 2 + 6), generator=gen)
     attn = torch.cat([torch.ones(24, 2, dtype=torch.long), mask], 1)
-    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": 2, "advantages": adv}
+    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": 2, "advantages": adv, "lens": [(2, int(k)) for k in mask.sum(1)]}
     state = daro.DaroWeights(args)
     if given:
         state.step(torch.tensor([0.0, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))

@@ -1,5 +1,6 @@
 """Token normalisation across micro-batches and ranks: a script's update on a fixed rollout gives the same
-gradient with 1 process x 1 micro-batch, 1 process x k micro-batches and 2 processes (torchrun, gloo)."""
+gradient with 1 process x 1 micro-batch, 1 process x k micro-batches, 2 processes (torchrun, gloo), 2 processes with
+micro-batches packed by tokens, and DeepSpeed ZeRO-3 on 2 processes."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(script, out_dir, model, micro, procs, zero3=False):
+def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     if zero3:  # accelerate's DeepSpeed launcher, as a user runs configs/zero3.yaml, on CPU
         ds = os.path.join(out_dir, "ds.json")  # persistence threshold 0: every parameter really is partitioned
@@ -39,8 +40,10 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False):
         cmd = [sys.executable, WORKER]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()), WORKER]
-    subprocess.run(cmd + [script, str(out_dir), model, str(micro)], check=True, cwd=ROOT, env=env, timeout=300)
-    return torch.load(os.path.join(out_dir, f"grad_{script}_{procs}_{micro}{'_zero3' if zero3 else ''}.pt"))
+    extra = [f"{k}={v}" for k, v in overrides.items()]
+    subprocess.run(cmd + [script, str(out_dir), model, str(micro), *extra], check=True, cwd=ROOT, env=env, timeout=300)
+    tag = ("_zero3" if zero3 else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
+    return torch.load(os.path.join(out_dir, f"grad_{script}_{procs}_{micro}{tag}.pt"))
 
 
 @pytest.mark.slow
@@ -49,12 +52,14 @@ def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, toy_asset
     whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1)
     micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1)
     dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2)
-    assert whole["world_size"] == 1 and dist["world_size"] == 2
+    packed = run_worker(script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20)  # by tokens, longest first
+    assert whole["world_size"] == 1 and dist["world_size"] == 2 and packed["world_size"] == 2
     norm = sum(g.norm() ** 2 for g in whole["grad"].values()) ** 0.5
     assert norm > 1e-6  # the rollout really produces a gradient
     for k, g in whole["grad"].items():
         torch.testing.assert_close(micro["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"micro-batches: {k}")
         torch.testing.assert_close(dist["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks: {k}")
+        torch.testing.assert_close(packed["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks, token budget: {k}")
 
 
 @pytest.mark.slow
