@@ -479,6 +479,8 @@ def main(args: Args) -> None:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
     if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
         raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
+    if args.logprob_kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
     if args.micro_batch_tokens < 0:
         raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
     if args.temperature <= 0:

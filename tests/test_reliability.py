@@ -315,10 +315,19 @@ def test_all_prompts_too_long_names_max_prompt_tokens(toy_assets, tmp_path):
     ({"total_steps": 0}, "--total-steps"),  # evaluation only, but evaluation is off
     ({"vllm_enable_sleep_mode": True}, "--vllm-enable-sleep-mode"),  # with --sampler hf
     ({"max_new_tokens": 0}, "--max-new-tokens"),
+    ({"micro_batch_tokens": -1}, "--micro-batch-tokens"),
 ])
 def test_incompatible_flags(toy_assets, tmp_path, kw, flag):
     out = tmp_path / "out"
     expect_exit(make_args(toy_assets, out, **kw), flag)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernel runs on CUDA")
+def test_triton_kernel_without_gpu(toy_assets, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Triton tests set it for this process
+    out = tmp_path / "out"
+    expect_exit(make_args(toy_assets, out, logprob_kernel="triton"), "--logprob-kernel", "CUDA")
     assert not out.exists()
 
 
