@@ -7,7 +7,7 @@ Both sides: the same randomly initialised Qwen2 (built here, --hidden/--layers),
 G = --group-size completions for --prompts prompts per step, at most --new-tokens new tokens per completion
 (the random model rarely samples EOS, so most completions use the whole budget on both sides), Hugging Face
 generate, GRPO's per-sequence loss (TRL loss_type="grpo"), beta = --beta, one update per
-rollout, lr 1e-6, fp32. Reported: median seconds per training step over the steps after --warmup, and our
+rollout, lr 1e-6, fp32, gradient checkpointing off unless --gradient-checkpointing (TRL defaults it on). Reported: median seconds per training step over the steps after --warmup, and our
 per-phase breakdown from metrics.jsonl.
 """
 
@@ -49,6 +49,7 @@ def ours(model: str, data: str, a) -> tuple[float, dict]:
            "--group-size", str(a.group_size), "--prompts-per-step", str(a.prompts), "--max-new-tokens", str(a.new_tokens),
            "--learning-rate", "1e-6", "--beta", str(a.beta), "--micro-batch-size", str(a.micro_batch),
            "--total-steps", str(a.steps), "--sampler", "hf", "--output-dir", out, "--save-every", "0", "--log-samples-every", "0"]
+    cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing
     env = {**os.environ, "PYTHONPATH": ROOT}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     (run,) = os.listdir(out)
@@ -85,7 +86,8 @@ def trl(model: str, data: str, a) -> float:
                      generation_batch_size=n, num_iterations=1, max_completion_length=a.new_tokens,
                      learning_rate=1e-6, beta=a.beta, loss_type="grpo", epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0,
                      max_steps=a.steps, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                     gradient_accumulation_steps=1, disable_dropout=True, seed=1, dataloader_num_workers=0)
+                     gradient_accumulation_steps=1, disable_dropout=True, seed=1, dataloader_num_workers=0,
+                     gradient_checkpointing=a.gradient_checkpointing)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=reward, args=cfg, train_dataset=ds,
                           processing_class=tok, callbacks=[Timer()])
     trainer.train()
@@ -101,6 +103,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's default is on, ours off)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args()
@@ -115,13 +118,14 @@ def main() -> None:
     import trl as trl_pkg
 
     lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
-             f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}",
+             f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
+             f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'} on both sides",
              "", "| | grpo.py | TRL GRPOTrainer | ours / TRL |", "|---|---|---|---|",
              f"| median s/step | {ours_s:.3f} | {trl_s:.3f} | {ours_s / trl_s:.2f} |", "",
              "grpo.py phases (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")]
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "step_cpu.md"), "w") as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", f"step_cpu{'_gc' if a.gradient_checkpointing else ''}.md"), "w") as f:
         f.write(table + "\n")
     print(table)
 

@@ -20,6 +20,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def fixed_rollout(share: slice = slice(None), n: int = 16, p_len: int = 3, c_len: int = 6) -> tuple[dict, torch.Tensor, torch.Generator]:
+    """Rows `share` of the fixed rollout every rank builds: the batch for `update_policy` (without advantages),
+    the rewards of those rows, and the generator, to draw more of the same rollout."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (n, p_len + c_len), generator=g)
+    lengths = torch.randint(1, c_len + 1, (n,), generator=g)
+    mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
+    attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
+    rewards = torch.randint(0, 2, (n,), generator=g).float()
+    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "lens": [(p_len, int(k)) for k in lengths[share]]}
+    return batch, rewards[share], g
+
+
 def main() -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
@@ -36,14 +49,6 @@ def main() -> None:
     args = mod.Args(group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6)
     for k, v in overrides.items():
         setattr(args, k, type(getattr(args, k))(v))
-
-    g = torch.Generator().manual_seed(0)
-    n, p_len, c_len = 16, 3, 6
-    ids = torch.randint(3, 200, (n, p_len + c_len), generator=g)
-    lengths = torch.randint(1, c_len + 1, (n,), generator=g)
-    mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
-    attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
-    rewards = torch.randint(0, 2, (n,), generator=g).float()
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -62,13 +67,12 @@ def main() -> None:
         from tests.test_sampling import _assert_matches_checkpoint, _checkpoint, _flatten
 
         _assert_matches_checkpoint(_flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir))
+    n = 16
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
-    advantages = torch.zeros(n)
-    advantages[share] = mod.compute_advantages(rewards[share], args)  # on this rank's share, as main() does
-    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "advantages": advantages[share],
-             "lens": [(p_len, int(k)) for k in lengths[share]]}
+    batch, rewards, g = fixed_rollout(share, n)
+    batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
-        batch["ref_logps"] = (-torch.rand(n, c_len, generator=g, dtype=torch.float64) * 6)[share]
+        batch["ref_logps"] = (-torch.rand(n, batch["mask"].shape[1], generator=g, dtype=torch.float64) * 6)[share]
     mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:

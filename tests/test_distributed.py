@@ -97,3 +97,46 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
     initial = load_file(os.path.join(toy_assets["model"], "model.safetensors"))
     assert set(saved) == set(initial) and all(saved[k].shape == initial[k].shape for k in initial)  # gathered, not shards
     assert any(not torch.equal(saved[k], initial[k]) for k in initial)  # the updates reached the saved weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
+    """GPU only (never run yet, see README "GPU status"): from the mini-batch's normalisers to its gradient clip,
+    `update_policy` runs under torch.cuda.set_sync_debug_mode("error"), i.e. no micro-batch reads the device."""
+    import importlib
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from common.loss import TokenLogProbs
+    from tests.dist_worker import fixed_rollout
+
+    mod = importlib.import_module(script)
+    accelerator = Accelerator()
+    args = mod.Args(group_size=4, micro_batch_size=3, num_mini_batches=2, ppo_epochs=1, max_new_tokens=6)
+    policy = TokenLogProbs(AutoModelForCausalLM.from_pretrained(toy_assets["model"]))
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    batch, rewards, _ = fixed_rollout()
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    batch["advantages"] = mod.compute_advantages(rewards.cuda(), args)
+    normalizers, clip = mod.grad_normalizers, accelerator.clip_grad_norm_
+
+    def then_strict(masks):
+        out = normalizers(masks)
+        torch.cuda.set_sync_debug_mode("error")
+        return out
+
+    def relaxed(*a, **kw):
+        torch.cuda.set_sync_debug_mode("default")
+        return clip(*a, **kw)
+
+    monkeypatch.setattr(mod, "grad_normalizers", then_strict)
+    monkeypatch.setattr(accelerator, "clip_grad_norm_", relaxed)
+    try:
+        mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
