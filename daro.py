@@ -518,7 +518,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     daro = batch["daro"] if "daro" in batch else DaroWeights(args, device)  # ALGO LOGIC: main's w_mu live across steps; else w = 1
     bucket = batch["bucket"] if "bucket" in batch else bucket_from_advantages(advantages, args)
     sums: dict[str, torch.Tensor] = {}
-    grad_norms, skipped, canary = [], 0, []
+    grad_norms, skipped, canary, canary_tokens = [], 0, [], []
     mb_size = n // args.num_mini_batches
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
@@ -541,6 +541,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
+                    canary_tokens.append(m["mask"].sum())
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
@@ -556,7 +557,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     if canary:
         diffs = torch.cat(canary)
         sums["logprob_diff_max"] = diffs.max()
-        sums["logprob_diff_mean"] = diffs.sum() / batch["mask"][perm[:mb_size].to(device)].sum().clamp(min=1)
+        sums["logprob_diff_mean"] = diffs.sum() / torch.stack(canary_tokens).sum().clamp(min=1)
     return sums, torch.stack(grad_norms).mean(), skipped
 
 

@@ -1,6 +1,10 @@
-"""Shared test harness: properties every script's `compute_policy_loss` must have, checked the same way."""
+"""Shared test harness: properties every script's `compute_policy_loss` must have, checked the same way, and
+stand-ins for running a script's `update_policy` in one process."""
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 import torch
 
@@ -27,3 +31,32 @@ def assert_micro_batches_add_up(compute_policy_loss, logps, old, adv, mask, args
         torch.testing.assert_close(sum(p[1][k] for p in parts).double(), stats[k].double(), rtol=1e-6, atol=1e-6)
     return loss, stats
 
+
+class TablePolicy(torch.nn.Module):
+    """A stand-in for TokenLogProbs: log-prob of token x is theta[x] (enough to check update_policy's gradient)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.theta = torch.nn.Parameter(-torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, ids, attn, p_len, temperature):
+        logps = self.theta[ids[:, p_len:]]
+        return logps, torch.zeros_like(logps)
+
+
+class SingleProcess:
+    """The parts of accelerate.Accelerator that update_policy uses, for one process."""
+
+    gradient_state = types.SimpleNamespace(_set_sync_gradients=lambda sync: None)
+
+    def reduce(self, t, reduction):
+        return t.clone()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, params, max_norm):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)

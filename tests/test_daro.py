@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import math
 import os
-import types
 
 import pytest
 import torch
 
 import daro
+from tests.checks import SingleProcess, TablePolicy
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
 G = 4
@@ -275,36 +274,6 @@ def test_weights_state_is_saved_and_restored(tmp_path):
             s.step(nxt, torch.ones(G + 1, dtype=torch.bool))
             s.step(nxt, torch.ones(G + 1, dtype=torch.bool))
         assert torch.equal(a.weights(), b.weights())
-
-
-class TablePolicy(torch.nn.Module):
-    """A stand-in for TokenLogProbs: log-prob of token x is theta[x] (enough to check update_policy's gradient)."""
-
-    def __init__(self, vocab):
-        super().__init__()
-        self.theta = torch.nn.Parameter(-torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
-
-    def forward(self, ids, attn, p_len, temperature):
-        logps = self.theta[ids[:, p_len:]]
-        return logps, torch.zeros_like(logps)
-
-
-class SingleProcess:
-    """The parts of accelerate.Accelerator that update_policy uses, for one process."""
-
-    gradient_state = types.SimpleNamespace(_set_sync_gradients=lambda sync: None)
-
-    def reduce(self, t, reduction):
-        return t.clone()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def no_sync(self, model):
-        return contextlib.nullcontext()
-
-    def clip_grad_norm_(self, params, max_norm):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 @pytest.mark.parametrize("given", [True, False])

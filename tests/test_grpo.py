@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grpo
-from tests.checks import assert_micro_batches_add_up
+from tests.checks import SingleProcess, TablePolicy, assert_micro_batches_add_up
 from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
 
 
@@ -114,3 +114,31 @@ def test_defaults_are_the_papers():
     a = grpo.Args()
     assert (a.clip_eps_low, a.clip_eps_high, a.beta, a.learning_rate, a.group_size) == (0.2, 0.2, 0.04, 1e-6, 64)
     assert a.num_mini_batches == 1 and a.ppo_epochs == 1
+
+
+@pytest.mark.parametrize("tokens", [0, 12])
+def test_update_policy_canary_is_the_mean_sampler_gap_before_any_step(tokens):
+    """train/logprob_diff_*: |trainer - sampler| log-prob on the first mini-batch's tokens, before it is trained on,
+    whatever the number of epochs and mini-batches, with row or token micro-batches (cut to their own padding)."""
+    g = torch.Generator().manual_seed(3)
+    n, p_len, c_len = 8, 2, 5
+    lengths = torch.tensor([5, 1, 3, 2, 5, 4, 1, 2])
+    mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
+    ids = torch.randint(0, 30, (n, p_len + c_len), generator=g)
+    attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
+    policy = TablePolicy(30)
+    gap = torch.rand(n, c_len, generator=g, dtype=torch.float64)
+    sampler = policy.theta.detach()[ids[:, p_len:]] + gap  # the trainer's log-probs plus a known gap
+    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": p_len, "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+             "lens": [(p_len, int(k)) for k in lengths], "sampler_logps": sampler,
+             "old_logps": policy.theta.detach()[ids[:, p_len:]]}
+    args = grpo.Args(beta=0.0, ppo_epochs=2, num_mini_batches=2, micro_batch_size=3, micro_batch_tokens=tokens, max_grad_norm=1e9)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    before = policy.theta.detach().clone()
+    sums, _, skipped = grpo.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    first = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003))[: n // 2]  # epoch 0, mini-batch 0
+    want = gap[first][mask[first].bool()]
+    assert skipped == 0 and not torch.equal(policy.theta.detach(), before)  # the policy did move afterwards
+    torch.testing.assert_close(sums["logprob_diff_mean"], want.mean(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sums["logprob_diff_max"], want.max(), rtol=1e-12, atol=1e-12)
