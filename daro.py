@@ -602,8 +602,10 @@ def main(args: Args) -> None:
         raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
-    train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+    train_prompts, train_golds = [], []
+    if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
+        questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
+        train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:

@@ -70,6 +70,20 @@ def test_end_to_end_run_directory(script, toy_assets, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_evaluation_only_run_reads_no_training_data(script, toy_assets, tmp_path):
+    """--total-steps 0 --eval-every 1 evaluates the model (e.g. a checkpoint's model/ directory) and never opens
+    --dataset-name (here a path that does not exist)."""
+    extra = {"total-steps": 0, "eval-every": 1, "eval-datasets": toy_assets["test"], "eval-prompt-column": "question",
+             "eval-answer-column": "answer", "eval-limit": 4, "eval-samples": 2, "eval-max-new-tokens": 2, "exp-name": "eval",
+             "dataset-name": str(tmp_path / "no_such_train.jsonl")}
+    run_script(script, toy_flags(toy_assets, str(tmp_path), **extra))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "eval__*"))
+    (row,) = read_metrics(run_dir)
+    assert row["step"] == 0 and {"eval/test/avg@2", "eval/test/pass@2", "eval/test/maj@2"} <= set(row)
+
+
+@pytest.mark.slow
 def test_resume_continues_where_it_stopped(toy_assets, tmp_path):
     full = str(tmp_path / "full")
     run_script("grpo", toy_flags(toy_assets, full, 4, **{"exp-name": "a"}))
