@@ -525,7 +525,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
         for mb in range(args.num_mini_batches):
             plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)  # host-side lengths
             chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]  # index copies, before the loop
-            num_tokens, num_seqs = grad_normalizers([mask[c] for c, _, _ in chunks])
+            num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)  # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
             mass, bucket_seqs = accelerator.reduce(bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens), "mean")
             daro.step(mass, bucket_seqs > 0)

@@ -119,7 +119,7 @@ def main() -> None:
 
     lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
              f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
-             f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'} on both sides",
+             f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides)",
              "", "| | grpo.py | TRL GRPOTrainer | ours / TRL |", "|---|---|---|---|",
              f"| median s/step | {ours_s:.3f} | {trl_s:.3f} | {ours_s / trl_s:.2f} |", "",
              "grpo.py phases (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")]

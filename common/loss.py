@@ -135,8 +135,11 @@ class TokenLogProbs(nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of the completion tokens.
 
     Wrapping the LM in a module (rather than calling its decoder from outside) keeps DDP, FSDP and ZeRO
-    hooks working: `accelerator.prepare(TokenLogProbs(model))` and call it like any model.
-    Save the LM itself with `unwrap_model(wrapper).lm.save_pretrained(...)`.
+    hooks working: `accelerator.prepare(TokenLogProbs(model))` and call it like any model. Under ZeRO-3 the output
+    weight, read here outside its own module, is gathered by DeepSpeed's external-parameter detection (tested with
+    every parameter partitioned in tests/test_distributed.py). Save the LM with `unwrap_model(wrapper).lm
+    .save_pretrained(dir, state_dict=...)`, the state dict from `accelerator.get_state_dict(wrapper)` with the
+    "lm." prefix removed: under FSDP / ZeRO-3 the module's own tensors are shards.
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch"):
