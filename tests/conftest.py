@@ -11,13 +11,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.toy import build_all  # noqa: E402
+from tests.toy import build_all, build_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def toy_assets(tmp_path_factory) -> dict[str, str]:
     """{"model": dir, "train": jsonl, "test": jsonl} of the tiny random Qwen2 and the a+b task."""
     return build_all(str(tmp_path_factory.mktemp("toy")))
+
+
+@pytest.fixture(scope="session")
+def vllm_assets(toy_assets, tmp_path_factory) -> dict[str, str]:
+    """The toy task with models vLLM's CPU attention accepts (hidden 128, 2 heads of 64): {"model" (tied output
+    layer), "tied", "untied", "train", "test"}."""
+    root = tmp_path_factory.mktemp("vllm_toy")
+    tied = build_model(str(root / "tied"), hidden_size=128, heads=2)
+    untied = build_model(str(root / "untied"), hidden_size=128, heads=2, tied=False)
+    return {**toy_assets, "model": tied, "tied": tied, "untied": untied}
 
 
 def pytest_configure(config):

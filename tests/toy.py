@@ -65,8 +65,9 @@ def build_tokenizer(out_dir: str):
     return tok
 
 
-def build_model(out_dir: str, seed: int = 0) -> str:
-    """Writes a tiny random Qwen2ForCausalLM (2 layers, hidden 64) and its tokenizer to `out_dir`."""
+def build_model(out_dir: str, seed: int = 0, hidden_size: int = 64, heads: int = 4, tied: bool = True) -> str:
+    """Writes a tiny random Qwen2ForCausalLM (2 layers, hidden 64, 4 heads of 16) and its tokenizer to `out_dir`.
+    vLLM's CPU attention needs head_dim 64 or more: `hidden_size=128, heads=2` builds such a model (VLLM_MODEL)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -74,13 +75,13 @@ def build_model(out_dir: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
