@@ -513,7 +513,7 @@ def main(args: Args) -> None:
     if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
         raise SystemExit("--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)")
     if args.vllm_tensor_parallel_size != 1:
-        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Sampling)")
+        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
     if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.overlong_buffer_len < 1:
         raise SystemExit("--max-gen-batches and --overlong-buffer-len must be >= 1, --gen-prompts-per-round >= 0")
     gen_prompts = args.gen_prompts_per_round or args.prompts_per_step

@@ -589,7 +589,7 @@ def main(args: Args) -> None:
     if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
         raise SystemExit("--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)")
     if args.vllm_tensor_parallel_size != 1:
-        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Sampling)")
+        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"

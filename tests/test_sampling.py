@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -341,19 +343,26 @@ def test_make_sampler(model, tok, toy_assets):
     assert isinstance(hf, HFSampler) and isinstance(hf, Sampler)
     with pytest.raises(ValueError, match="--sampler"):
         make_sampler("bogus", **kw)
-    if not vllm_available():
+    if not torch.cuda.is_available():  # auto stays HF on a CPU, even with vLLM's CPU build installed
         assert isinstance(make_sampler("auto", **kw), HFSampler)
-        with pytest.raises(RuntimeError, match="--sampler vllm"):
-            make_sampler("vllm", **kw)
 
 
-def test_import_does_not_need_vllm():
-    import sys
+def test_vllm_missing_is_one_clear_error(monkeypatch, model, tok, toy_assets):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    assert not vllm_available()
+    kw = {"model": model, "tokenizer": tok, "model_name_or_path": toy_assets["model"], "seed": 0}
+    with pytest.raises(RuntimeError, match="--sampler vllm needs the vllm package"):
+        make_sampler("vllm", **kw)
+    assert isinstance(make_sampler("auto", **kw), HFSampler)
 
-    import common.sampling  # noqa: F401
 
-    if not vllm_available():
-        assert "vllm" not in sys.modules
+def test_import_and_auto_on_cpu_do_not_import_vllm():
+    """Importing common.sampling, and resolving --sampler auto on a CPU, never imports vllm (a heavy import that
+    an HF-sampled run does not need)."""
+    code = ("import sys, torch, common.sampling as s; assert 'vllm' not in sys.modules; "
+            "assert torch.cuda.is_available() or s.resolve_sampler('auto') == 'hf'; assert 'vllm' not in sys.modules")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -362,7 +371,7 @@ def test_import_does_not_need_vllm():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not vllm_available(), reason="needs CUDA and vllm")
+@pytest.mark.skipif(not torch.cuda.is_available() or not vllm_available(), reason="needs CUDA and vllm")
 def test_vllm_generate_and_weight_sync_canary(toy_assets, tok, prompts):
     """vLLM samples the toy checkpoint; after the trainer's weights change, update_weights makes vLLM's
     weights and log-probs follow them (reload_weights path, load_weights path, and after a level-2 sleep)."""
