@@ -29,8 +29,11 @@ greedy evaluation with 3000 tokens (§2.2). Choices: the training set is hiyouga
 12k split (MATH train+test minus MATH-500) that oat's 1.5B example script trains on; the paper's recipe (Sec. 1)
 uses MATH levels 3-5 (oat's datasets/train/math_lvl3to5_8k, from SimpleRL-Zoo), which has no hub id loadable as a
 plain split: export it to .jsonl/.parquet and pass --dataset-name. Prompts are capped at 1024 tokens as in oat.
-Not reproduced: oat's Adam betas (0.9, 0.95), its truncated-importance-sampling correction (newer oat, not
-Dr. GRPO) and its zero reward for truncated completions (the same for GRPO and Dr. GRPO in the official code).
+From the official code, not the paper: a truncated completion (cut off at --max-new-tokens) gets reward 0 even if
+its text holds the right answer (train_zero_math.py; there it applies to GRPO too, here only to dr_grpo.py), and the
+verifier reads the answer from the last \\boxed{} (math_grader.boxed_reward_fn; --reward-format auto with qwen-boxed).
+Not reproduced: oat's Adam betas (0.9, 0.95) and its truncated-importance-sampling correction (newer oat, not
+Dr. GRPO; --rollout-correction token-truncate is the same idea).
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
     python dr_grpo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -168,6 +171,9 @@ class Args:
     """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
     clip_eps_high: float = 0.2
     """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens (oat: symmetric 0.2)"""
+    truncated_reward: Literal["zero", "keep"] = "zero"
+    """zero: a completion cut off at --max-new-tokens gets reward 0 (understand-r1-zero's train_zero_math.py); keep: the
+    verifier's score (e.g. on a toy task whose completions rarely end with EOS)"""
 
     # Evaluation
     eval_every: int = 0
@@ -192,8 +198,10 @@ class Args:
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
-    """Dr. GRPO's outcome reward (§3.2): 1 if the completion contains the correct final answer, 0 otherwise."""
-    return correct.float()
+    """Dr. GRPO's outcome reward (§3.2): 1 if the completion contains the correct final answer, 0 otherwise, and 0 for
+    a completion cut off at --max-new-tokens whatever it contains, unless --truncated-reward keep (the official code, train_zero_math.py: "Set zero
+    reward for truncated outputs", vLLM's finish_reason == "length")."""
+    return correct.float() * ~truncated.bool() if args.truncated_reward == "zero" else correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
