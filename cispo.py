@@ -25,7 +25,9 @@ setting to one node (Qwen2.5-7B, DAPO-Math-17k with its "Answer:" prompt, G=16, 
 mini-batches, lr 1e-6 after a 320-step warm-up, weight decay 0.1, 20480 new tokens, --max-gen-batches 10),
 which MiniMax does not restate but compares against at equal steps. Cap: eps_max = 5 (ScaleRL; insensitive to
 4/5/8). MiniMax tunes eps_high^IS but does not report it: --is-eps-high 0.2 follows verl's CISPO example.
-Not implemented: DAPO's length penalty (MiniMax uses it; dapo.py has it) and ScaleRL's other changes
+So the default is a hybrid: ScaleRL's cap with MiniMax's 16 off-policy updates. MiniMax's own setting is
+--cispo-form minimax --overlong-penalty (DAPO's soft overlong punishment, which MiniMax §3.1 keeps; off by
+default, as in ScaleRL); README "cispo.py" gives the command. Not implemented: ScaleRL's other changes
 (prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
 Choices the papers leave open: std is unbiased, eps_std = 1e-6, a zero-variance group gets A = 0; the reward is
 0/1 (with group std the +-1 scale changes nothing but eps_std); dynamic sampling as in dapo.py.
@@ -173,6 +175,12 @@ class Args:
     """either form: a floor 1 - is_eps_low on the IS weight (None: no lower bound, as MiniMax §3.1 and ScaleRL)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
+    overlong_penalty: bool = False
+    """add DAPO's soft overlong punishment (DAPO eq. 13) to the 0/1 reward (MiniMax-M1 uses it; off: ScaleRL's form)"""
+    overlong_buffer_len: int = 4096
+    """L_cache: completions longer than max_new_tokens - L_cache are penalised linearly, down to -1 at max_new_tokens"""
+    overlong_penalty_factor: float = 1.0
+    """scale of the soft overlong punishment (verl's overlong_buffer.penalty_factor)"""
     dynamic_sampling: bool = True
     """drop groups whose completions are all correct or all wrong and sample more prompts to refill (DAPO §3.2, used by MiniMax §3.1)"""
     max_gen_batches: int = 10
@@ -203,8 +211,15 @@ class Args:
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
-    """The outcome reward: 1 for a verified answer, 0 otherwise (MiniMax §3.1: rule-based verifier)."""
-    return correct.float()
+    """The outcome reward: 1 for a verified answer, 0 otherwise (MiniMax §3.1: rule-based verifier), with
+    --overlong-penalty plus DAPO's soft overlong punishment (DAPO eq. 13, MiniMax §3.1 uses it; as dapo.py)
+    R_len = clip(((L_max - L_cache) - |y|) / L_cache, -1, 0) times --overlong-penalty-factor, L_max = max_new_tokens."""
+    rewards = correct.float()
+    if args.overlong_penalty:
+        expected_len = args.max_new_tokens - args.overlong_buffer_len
+        r_len = ((expected_len - lengths.float()) / args.overlong_buffer_len).clamp(min=-1.0, max=0.0)
+        rewards = rewards + args.overlong_penalty_factor * r_len
+    return rewards
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
@@ -537,6 +552,8 @@ def main(args: Args) -> None:
         raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
     if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.eps_max <= 0 or args.is_eps_high <= 0:
         raise SystemExit("--max-gen-batches must be >= 1, --gen-prompts-per-round >= 0, --eps-max and --is-eps-high > 0")
+    if args.overlong_buffer_len < 1:
+        raise SystemExit(f"--overlong-buffer-len must be >= 1, got {args.overlong_buffer_len}")
     gen_prompts = args.gen_prompts_per_round or args.prompts_per_step
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
