@@ -190,6 +190,14 @@ class Args:
     """lower bound of every w_mu (s_mu is clamped to [ln w_min, ln w_max] after each step)"""
     daro_w_max: float = 1e3
     """upper bound of every w_mu (keeps w finite when a bucket's loss is ~0)"""
+    daro_w_target: Literal["mass", "loss"] = "mass"
+    """what w_mu is fitted to (w_mu -> 1/target): mass, the bucket's advantage mass M_mu (always > 0); loss, the bucket
+    loss L_mu itself at the rollout policy (r = 1), floored at --daro-loss-floor x M_mu (the write-up's w L = C)"""
+    daro_loss_floor: float = 0.1
+    """--daro-w-target loss: L_mu is floored at this fraction of M_mu, so w_mu <= 1/(floor M_mu): -ln w_mu is bounded"""
+    daro_w_normalize: bool = False
+    """ablation: the policy step uses w_mu scaled to mean 1 over the buckets present in the mini-batch (the same
+    reweighting at about GRPO's token-mean step size, instead of ~(number of buckets) x larger; README "daro.py")"""
 
     # Evaluation
     eval_every: int = 0
@@ -246,14 +254,22 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(advantages: torch.Tensor, bucket: torch.Tensor, mask: torch.Tensor, args: Args, num_tokens=None) -> torch.Tensor:
-    """[2, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
-    are learnt on (module docstring); row 1: the number of sequences in bucket mu. With the mini-batch's num_tokens
-    both rows add up over micro-batches, and their mean over ranks is the mini-batch's (row 1 divided by the world
-    size, like num_seqs)."""
+    """[3, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
+    are learnt on (module docstring); row 1: the number of sequences in bucket mu; row 2: L_mu at r = 1, i.e.
+    -1/L sum_{i in mu} |o_i| A_i (the bucket loss at the rollout policy, where PPO's clip is inactive). With the
+    mini-batch's num_tokens every row adds up over micro-batches, and their mean over ranks is the mini-batch's
+    (row 1 divided by the world size, like num_seqs)."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     mass = onehot.T @ (advantages.double().abs() * mask.sum(-1)) / denom
-    return torch.stack([mass, onehot.sum(0)])
+    return torch.stack([mass, onehot.sum(0), onehot.T @ (-advantages.double() * mask.sum(-1)) / denom])
+
+
+def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> torch.Tensor:
+    """[G+1] what the weights are fitted to, w_mu -> 1/target_mu: M_mu (--daro-w-target mass), or the bucket loss at
+    r = 1 floored at --daro-loss-floor x M_mu (loss; the floor keeps the target > 0 where L_mu <= 0, so -ln w is
+    bounded). mass, onpolicy_loss: rows 0 and 2 of bucket_mass over the mini-batch."""
+    return mass if args.daro_w_target == "mass" else torch.maximum(onpolicy_loss, args.daro_loss_floor * mass)
 
 
 class DaroWeights:
@@ -352,6 +368,8 @@ def compute_policy_loss(
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     bucket_loss = onehot.T @ (per_token * mask).sum(-1) / denom  # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
     seqs = onehot.sum(0) if bucket_seqs is None else bucket_seqs.to(per_token)
+    if args.daro_w_normalize:  # ablation (our choice): mean 1 over the buckets present (mu = 0, 1 never count)
+        w = w / ((w * (seqs > 0)).sum() / (seqs > 0).sum().clamp(min=1))
     neg_log_w = torch.where(seqs > 0, -torch.log(w) / seqs.clamp(min=1e-12), 0.0)  # -ln w_mu, spread over mu's sequences
     weighted = (w * bucket_loss).sum()
     loss = weighted + (onehot @ neg_log_w).sum()  # W eq. 4
@@ -362,6 +380,7 @@ def compute_policy_loss(
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
         stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
         mass, share = bucket_mass(advantages, bucket, mask, args, num_tokens)[0], mask.sum().to(w) / denom
+        stats["daro_mass"], stats["daro_weighted_mass"] = mass.sum(), (w.double() * mass).sum()  # ratio: the step scale
         for c in range(1, args.group_size):  # per bucket, named by mu: L_mu, M_mu and w_mu (as a token mean of a constant)
             mu = f"{c / args.group_size:.4g}"
             stats[f"daro_L_{mu}"], stats[f"daro_M_{mu}"] = bucket_loss[c].detach(), mass[c]
@@ -565,8 +584,9 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
             chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]  # index copies, before the loop
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)  # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
-            mass, bucket_seqs = accelerator.reduce(bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens), "mean")
-            daro.step(mass, bucket_seqs > 0)
+            sums_mu = bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens)
+            mass, bucket_seqs, onpolicy_loss = accelerator.reduce(sums_mu, "mean")
+            daro.step(w_target(mass, onpolicy_loss, args), bucket_seqs > 0)
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
                 m = cut(batch, c, p_w, c_w)  # this micro-batch's rows, cut to its own padding
@@ -622,6 +642,8 @@ def main(args: Args) -> None:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
     if args.rollout_correction_cap < 1:
         raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
+    if not 0 < args.daro_loss_floor <= 1:
+        raise SystemExit(f"--daro-loss-floor must be in (0, 1] (a fraction of M_mu), got {args.daro_loss_floor}")
     if not (0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
         raise SystemExit(f"--daro-w-min/--daro-w-max/--daro-w-lr: need 0 < w_min <= w_max and lr > 0, got {args.daro_w_min}, {args.daro_w_max}, {args.daro_w_lr}")
     if args.total_steps == 0 and args.eval_every <= 0:
