@@ -31,6 +31,8 @@ default, as in ScaleRL); README "cispo.py" gives the command. Not implemented: S
 (prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
 Choices the papers leave open: std is unbiased, eps_std = 1e-6, a zero-variance group gets A = 0; the reward is
 0/1 (with group std the +-1 scale changes nothing but eps_std); dynamic sampling as in dapo.py.
+Verifier: DAPO's "Answer:" line (--reward-format auto with the dapo template). Not from either paper:
+--rollout-correction (TRL / verl; on by default with vLLM), which multiplies the CISPO weight.
 
     accelerate launch cispo.py --eval-every 5                  # the paper setting, on GPUs
     python cispo.py --model-name-or-path /tmp/toy/model ...    # see README "Quickstart" for a CPU run

@@ -32,6 +32,9 @@ count (DDP needs equal batches), the surplus of informative groups is dropped (a
 size, so there are fewer of them). Rollout metrics are over every generated completion (the kept ones are
 biased towards accuracy 0.5 by construction). Overlong filtering (§3.4) masks truncated completions out of
 the loss and its token count; it is off, as in the final recipe.
+Verifier: DAPO's (verl math_dapo): the answer on the last "Answer:" line within the last 300 characters
+(--reward-format auto with the dapo template); math-verify judges it where math_dapo compares normalised strings.
+Not from the paper: --rollout-correction (TRL / verl; on by default with vLLM).
 
     accelerate launch dapo.py --eval-every 5                   # the paper setting, on GPUs
     python dapo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run

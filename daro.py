@@ -32,6 +32,16 @@ the bucket pulls on the policy:
     mini-batch, and is then clamped to [ln w_min, ln w_max]. The optimum is w_mu = 1/M_mu, i.e. every bucket's
     weighted advantage mass w_mu M_mu is the same (1). With SGD, near the optimum this is an exponential moving
     average of ln(1/M_mu) at rate lr.
+  - --daro-w-target loss fits w to the write-up's literal condition w_mu L_mu = 1 instead, with L_mu the bucket
+    loss at the rollout policy (r = 1: -1/L sum_{i in mu} |o_i| A_i, no extra forward; exactly the policy step's L_mu
+    with one update per rollout) floored at --daro-loss-floor x M_mu (0.1): the target stays > 0, so w_mu <=
+    1/(0.1 M_mu) and -ln w_mu is bounded, and a bucket whose loss cancels gets at most 10x its mass weight.
+  - Step size: at the converged mass weights sum_mu w_mu M_mu = the number of buckets present (up to G - 1), while
+    w = 1 (GRPO with token-mean aggregation) gives sum_mu M_mu, the token mean of |A| (< 1). So at the same learning
+    rate the policy step is ~10x larger than the baseline's (train/daro_weighted_mass / train/daro_mass), and a
+    DARO-vs-baseline run mixes reweighting with step size. --daro-w-normalize (an ablation, our choice) divides the
+    weights the policy step uses by their mean over the buckets present, keeping the reweighting at about the
+    baseline's step size; the learnt w are unchanged.
   - M_mu and the bucket counts are all-reduced over ranks, so every rank holds the same w. w starts at 1, and
     w and its optimizer are saved in checkpoints and restored by --resume.
 The reported loss is the whole L_DARO: the -ln w_mu terms are spread over each bucket's sequences, so that the
@@ -43,6 +53,8 @@ example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one 
 its abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2,
 max length 1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As
 in grpo.py, std is the unbiased estimator, eps_std = 1e-6, and a zero-variance group gets A = 0.
+Not from the write-up: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
+--rollout-correction (TRL / verl; on by default with vLLM), applied to each token's term before the bucket sums.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run

@@ -34,6 +34,7 @@ its text holds the right answer (train_zero_math.py; there it applies to GRPO to
 verifier reads the answer from the last \\boxed{} (math_grader.boxed_reward_fn; --reward-format auto with qwen-boxed).
 Not reproduced: oat's Adam betas (0.9, 0.95) and its truncated-importance-sampling correction (newer oat, not
 Dr. GRPO; --rollout-correction token-truncate is the same idea).
+Not from the paper: --rollout-correction (TRL / verl; on by default with vLLM).
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
     python dr_grpo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run

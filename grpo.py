@@ -16,6 +16,9 @@ KL penalty to a frozen reference model inside the same average:
 Defaults follow DeepSeekMath §4.2 where a single node can (G=64, 1024 completions per step, lr 1e-6,
 beta=0.04, eps=0.2, max length 1024, one update per rollout) on Qwen2.5-Math-1.5B and MATH.
 Choices the paper leaves open: std is the unbiased estimator, eps_std = 1e-6; a zero-variance group gets A = 0.
+Not from the paper (our choices, as in every script): the verifier reads the final answer in the template's format
+(--reward-format auto; qwen-boxed: the last \\boxed{}), and --rollout-correction (TRL's / verl's truncated importance
+sampling for the vLLM/trainer mismatch; on by default with vLLM) reweights the policy term, never the KL term.
 
     accelerate launch grpo.py                                  # the paper setting, on GPUs
     python grpo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run

@@ -22,6 +22,8 @@ Qwen3-30B-A3B-Base on data it does not release and gives no learning rate, group
 grpo.py's (Qwen2.5-Math-1.5B on MATH, G=64, 16 prompts per step, lr 1e-6, 1024 new tokens).
 Choices the paper leaves open: std is the unbiased estimator, eps_std = 1e-6, a zero-variance group gets A = 0
 (as grpo.py); the log of s_i is not clamped (verl clamps it at 10).
+Not from the paper: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
+--rollout-correction (TRL / verl; on by default with vLLM), which weights each token's GSPO-token term.
 
     accelerate launch gspo.py                                  # the paper setting, on GPUs
     python gspo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run

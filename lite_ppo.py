@@ -25,6 +25,9 @@ Choices the paper leaves open: the training set is zwhe99/DeepMath-103K (the sou
 Hard 5k sets, which are not released); the Qwen-Math "\\boxed{}" prompt; the batch std is the unbiased std of
 the rewards gathered from every rank, as ROLL and TRL (torch.std). A batch whose rewards are all equal gets
 A = 0. TRL's reading of the paper's batch sizes is 8 optimizer steps per rollout (--num-mini-batches 8).
+Not from the paper: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
+--rollout-correction (TRL / verl; on by default with vLLM; with top_p 0.99 its weights sit slightly below 1, see
+README "Rollout correction").
 
     accelerate launch lite_ppo.py                                  # the paper setting, on GPUs
     python lite_ppo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
