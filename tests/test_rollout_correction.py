@@ -134,3 +134,28 @@ def test_a_cap_below_one_is_refused_before_anything_is_written(script, tmp_path)
     with pytest.raises(SystemExit, match="^--rollout-correction-cap must be >= 1"):
         mod.main(mod.Args(rollout_correction_cap=0.5, output_dir=str(tmp_path / "out")))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_hf_sampler_run_weights_are_one_in_fp32_and_auto_is_off(toy_assets, tmp_path):
+    """End to end on the toy task with HF generate, whose log-probs come from the trainer's own fp32 weights: an
+    explicit --rollout-correction logs weights within 1e-4 of 1 (the canary measures |diff| ~1e-6 here, so w is
+    1 +- 1e-6; 1e-4 leaves room for other CPUs' kernels) and caps nothing; auto (the default) is off with HF."""
+    import glob
+    import json
+
+    from tests.test_scripts import run_script, toy_flags
+
+    for mode in ("token-truncate", "sequence-mask", "auto"):
+        out = tmp_path / mode
+        run_script("grpo", toy_flags(toy_assets, str(out), 2, **{"rollout-correction": mode, "num-mini-batches": 2, "beta": 0}))
+        (path,) = glob.glob(str(out / "*" / "metrics.jsonl"))
+        rows = [json.loads(line) for line in open(path)]
+        updated = [r for r in rows if r["train/no_signal"] == 0]
+        if mode == "auto":
+            assert not any(k.startswith("train/rollout_corr") for r in rows for k in r)
+            continue
+        assert updated, "no step had a signal"
+        for r in updated:
+            assert abs(r["train/rollout_corr_weight_min"] - 1) < 1e-4 and abs(r["train/rollout_corr_weight_max"] - 1) < 1e-4
+            assert r["train/rollout_corr_capped_frac"] == 0
