@@ -209,7 +209,7 @@ class Args:
     """--daro-w-target loss: L_mu is floored at this fraction of M_mu, so w_mu <= 1/(floor M_mu): -ln w_mu is bounded"""
     daro_w_normalize: bool = False
     """ablation: the policy step uses w_mu scaled to mean 1 over the buckets present in the mini-batch (the same
-    reweighting at about GRPO's token-mean step size, instead of ~(number of buckets) x larger; README "daro.py")"""
+    reweighting at about GRPO's token-mean step size, not ~(number of buckets) x larger; README "DARO's weights")"""
 
     # Evaluation
     eval_every: int = 0
@@ -381,7 +381,8 @@ def compute_policy_loss(
     bucket_loss = onehot.T @ (per_token * mask).sum(-1) / denom  # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
     seqs = onehot.sum(0) if bucket_seqs is None else bucket_seqs.to(per_token)
     if args.daro_w_normalize:  # ablation (our choice): mean 1 over the buckets present (mu = 0, 1 never count)
-        w = w / ((w * (seqs > 0)).sum() / (seqs > 0).sum().clamp(min=1))
+        present = seqs > 0
+        w = w / torch.where(present.any(), (w * present).sum() / present.sum().clamp(min=1), 1.0)  # none: w as is
     neg_log_w = torch.where(seqs > 0, -torch.log(w) / seqs.clamp(min=1e-12), 0.0)  # -ln w_mu, spread over mu's sequences
     weighted = (w * bucket_loss).sum()
     loss = weighted + (onehot @ neg_log_w).sum()  # W eq. 4

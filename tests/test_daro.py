@@ -411,3 +411,8 @@ def test_normalised_weights_have_mean_one_over_present_buckets():
     assert stats["daro_mass"].item() == pytest.approx(sum(mass), rel=1e-12)
     weighted = sum(scaled[c].item() * mass[c] for c in range(G + 1))
     assert stats["daro_weighted_mass"].item() == pytest.approx(weighted, rel=1e-12)
+    # a mini-batch with no bucket present (only mu = 0 / mu = 1 groups) still has loss 0, not 0/0
+    all_or_none, mask0, old0, logps0 = rollout(5)
+    adv0 = daro.compute_advantages(all_or_none[:8], args)
+    loss0, _ = daro.compute_policy_loss(logps0[:8], old0[:8], adv0, mask0[:8], norm, weights=w)
+    assert loss0.item() == 0.0
