@@ -203,7 +203,8 @@ def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=No
     w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
     counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
     the correction is off or "auto", which main() resolves from the sampler; stats: token means over the
-    mini-batch, and min/max)."""
+    mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
+    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
     if args.rollout_correction in ("none", "auto"):
         return 1.0, {}
     if rollout_logps is None:
