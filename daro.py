@@ -32,6 +32,16 @@ the bucket pulls on the policy:
     mini-batch, and is then clamped to [ln w_min, ln w_max]. The optimum is w_mu = 1/M_mu, i.e. every bucket's
     weighted advantage mass w_mu M_mu is the same (1). With SGD, near the optimum this is an exponential moving
     average of ln(1/M_mu) at rate lr.
+  - --daro-w-target loss fits w to the write-up's literal condition w_mu L_mu = 1 instead, with L_mu the bucket
+    loss at the rollout policy (r = 1: -1/L sum_{i in mu} |o_i| A_i, no extra forward; exactly the policy step's L_mu
+    with one update per rollout) floored at --daro-loss-floor x M_mu (0.1): the target stays > 0, so w_mu <=
+    1/(0.1 M_mu) and -ln w_mu is bounded, and a bucket whose loss cancels gets at most 10x its mass weight.
+  - Step size: at the converged mass weights sum_mu w_mu M_mu = the number of buckets present (up to G - 1), while
+    w = 1 (GRPO with token-mean aggregation) gives sum_mu M_mu, the token mean of |A| (< 1). So at the same learning
+    rate the policy step is ~10x larger than the baseline's (train/daro_weighted_mass / train/daro_mass), and a
+    DARO-vs-baseline run mixes reweighting with step size. --daro-w-normalize (an ablation, our choice) divides the
+    weights the policy step uses by their mean over the buckets present, keeping the reweighting at about the
+    baseline's step size; the learnt w are unchanged.
   - M_mu and the bucket counts are all-reduced over ranks, so every rank holds the same w. w starts at 1, and
     w and its optimizer are saved in checkpoints and restored by --resume.
 The reported loss is the whole L_DARO: the -ln w_mu terms are spread over each bucket's sequences, so that the
@@ -43,6 +53,8 @@ example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one 
 its abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2,
 max length 1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As
 in grpo.py, std is the unbiased estimator, eps_std = 1e-6, and a zero-variance group gets A = 0.
+Not from the write-up: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
+--rollout-correction (TRL / verl; on by default with vLLM), applied to each token's term before the bucket sums.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -71,7 +83,7 @@ import tyro
 
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
-from common.reward import extract_final_answer, find_unparseable_gold, score
+from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score
 from common.sampling import make_sampler, resolve_sampler
 
 
@@ -109,6 +121,9 @@ class Args:
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
+    """where the verifier reads the final answer (a completion without one scores 0, a format error); auto: from
+    --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag; see README "Answer formats")"""
     max_prompt_tokens: int = 1024
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
@@ -164,6 +179,13 @@ class Args:
     """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
+    rollout_correction: Literal[
+        "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
+    ] = "auto"
+    """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
+    (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
+    rollout_correction_cap: float = 2.0
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -180,6 +202,14 @@ class Args:
     """lower bound of every w_mu (s_mu is clamped to [ln w_min, ln w_max] after each step)"""
     daro_w_max: float = 1e3
     """upper bound of every w_mu (keeps w finite when a bucket's loss is ~0)"""
+    daro_w_target: Literal["mass", "loss"] = "mass"
+    """what w_mu is fitted to (w_mu -> 1/target): mass, the bucket's advantage mass M_mu (always > 0); loss, the bucket
+    loss L_mu itself at the rollout policy (r = 1), floored at --daro-loss-floor x M_mu (the write-up's w L = C)"""
+    daro_loss_floor: float = 0.1
+    """--daro-w-target loss: L_mu is floored at this fraction of M_mu, so w_mu <= 1/(floor M_mu): -ln w_mu is bounded"""
+    daro_w_normalize: bool = False
+    """ablation: the policy step uses w_mu scaled to mean 1 over the buckets present in the mini-batch (the same
+    reweighting at about GRPO's token-mean step size, not ~(number of buckets) x larger; README "DARO's weights")"""
 
     # Evaluation
     eval_every: int = 0
@@ -236,14 +266,22 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(advantages: torch.Tensor, bucket: torch.Tensor, mask: torch.Tensor, args: Args, num_tokens=None) -> torch.Tensor:
-    """[2, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
-    are learnt on (module docstring); row 1: the number of sequences in bucket mu. With the mini-batch's num_tokens
-    both rows add up over micro-batches, and their mean over ranks is the mini-batch's (row 1 divided by the world
-    size, like num_seqs)."""
+    """[3, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
+    are learnt on (module docstring); row 1: the number of sequences in bucket mu; row 2: L_mu at r = 1, i.e.
+    -1/L sum_{i in mu} |o_i| A_i (the bucket loss at the rollout policy, where PPO's clip is inactive). With the
+    mini-batch's num_tokens every row adds up over micro-batches, and their mean over ranks is the mini-batch's
+    (row 1 divided by the world size, like num_seqs)."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     mass = onehot.T @ (advantages.double().abs() * mask.sum(-1)) / denom
-    return torch.stack([mass, onehot.sum(0)])
+    return torch.stack([mass, onehot.sum(0), onehot.T @ (-advantages.double() * mask.sum(-1)) / denom])
+
+
+def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> torch.Tensor:
+    """[G+1] what the weights are fitted to, w_mu -> 1/target_mu: M_mu (--daro-w-target mass), or the bucket loss at
+    r = 1 floored at --daro-loss-floor x M_mu (loss; the floor keeps the target > 0 where L_mu <= 0, so -ln w is
+    bounded). mass, onpolicy_loss: rows 0 and 2 of bucket_mass over the mini-batch."""
+    return mass if args.daro_w_target == "mass" else torch.maximum(onpolicy_loss, args.daro_loss_floor * mass)
 
 
 class DaroWeights:
@@ -283,6 +321,33 @@ class DaroWeights:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=None):
+    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
+    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
+    log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
+    w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
+    counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
+    the correction is off or "auto", which main() resolves from the sampler; stats: token means over the
+    mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
+    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
+    if args.rollout_correction in ("none", "auto"):
+        return 1.0, {}
+    if rollout_logps is None:
+        raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
+    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)) * mask
+    if args.rollout_correction.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
+    weight = torch.exp(log_w.clamp(max=log_cap))
+    if args.rollout_correction.endswith("mask"):
+        weight = torch.where(over, 0.0, weight)
+    token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+    stats = {"rollout_corr_weight_mean": token_mean(weight), "rollout_corr_capped_frac": token_mean(over),
+             "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
+             "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax()}
+    return weight, stats
+
+
 def compute_policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -292,6 +357,7 @@ def compute_policy_loss(
     num_tokens: torch.Tensor | None = None,
     num_seqs: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
     bucket: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     bucket_seqs: torch.Tensor | None = None,
@@ -307,14 +373,17 @@ def compute_policy_loss(
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv)
-    per_token = -surrogate
-    stats = {}
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)  # 1.0 when off
+    per_token = -surrogate * rc_weight
     bucket = bucket_from_advantages(advantages, args) if bucket is None else bucket
     w = (torch.ones(args.group_size + 1) if weights is None else weights).to(per_token)
     onehot = bucket_onehot(bucket, args.group_size).to(per_token)
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     bucket_loss = onehot.T @ (per_token * mask).sum(-1) / denom  # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
     seqs = onehot.sum(0) if bucket_seqs is None else bucket_seqs.to(per_token)
+    if args.daro_w_normalize:  # ablation (our choice): mean 1 over the buckets present (mu = 0, 1 never count)
+        present = seqs > 0
+        w = w / torch.where(present.any(), (w * present).sum() / present.sum().clamp(min=1), 1.0)  # none: w as is
     neg_log_w = torch.where(seqs > 0, -torch.log(w) / seqs.clamp(min=1e-12), 0.0)  # -ln w_mu, spread over mu's sequences
     weighted = (w * bucket_loss).sum()
     loss = weighted + (onehot @ neg_log_w).sum()  # W eq. 4
@@ -325,6 +394,7 @@ def compute_policy_loss(
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
         stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
         mass, share = bucket_mass(advantages, bucket, mask, args, num_tokens)[0], mask.sum().to(w) / denom
+        stats["daro_mass"], stats["daro_weighted_mass"] = mass.sum(), (w.double() * mass).sum()  # ratio: the step scale
         for c in range(1, args.group_size):  # per bucket, named by mu: L_mu, M_mu and w_mu (as a token mean of a constant)
             mu = f"{c / args.group_size:.4g}"
             stats[f"daro_L_{mu}"], stats[f"daro_M_{mu}"] = bucket_loss[c].detach(), mass[c]
@@ -455,16 +525,17 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 
 def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
-    metrics, k = {}, args.eval_samples
+    metrics, k, fmt = {}, args.eval_samples, answer_format_for(args.prompt_template, args.reward_format)
     for name, (prompts, golds) in eval_sets.items():
         top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
         texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
-        correct, _ = score(texts, [g for g in golds for _ in range(k)])
+        correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
         short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
         metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
         metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
-        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct([extract_final_answer(t) for t in ts], c) for ts, c in groups]))
+        finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
+        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
     return metrics
 
 
@@ -527,24 +598,29 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
             chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]  # index copies, before the loop
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)  # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
-            mass, bucket_seqs = accelerator.reduce(bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens), "mean")
-            daro.step(mass, bucket_seqs > 0)
+            sums_mu = bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens)
+            mass, bucket_seqs, onpolicy_loss = accelerator.reduce(sums_mu, "mean")
+            daro.step(w_target(mass, onpolicy_loss, args), bucket_seqs > 0)
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
                 m = cut(batch, c, p_w, c_w)  # this micro-batch's rows, cut to its own padding
                 with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                     logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
                     old = logps.detach() if "old_logps" not in m else m["old_logps"]
-                    loss, stats = compute_policy_loss(logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=m.get("ref_logps"),
-                                                      bucket=bucket[c], weights=daro.weights(), bucket_seqs=bucket_seqs)
+                    loss, stats = compute_policy_loss(
+                        logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs,
+                        ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"),
+                        bucket=bucket[c], weights=daro.weights(), bucket_seqs=bucket_seqs)
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
                     canary_tokens.append(m["mask"].sum())
                 stats["loss"] = loss.detach()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
+                for k, v in stats.items():  # means over the rollout; *_min / *_max: extremes over it
+                    extreme = {"_min": torch.minimum, "_max": torch.maximum}.get(k[-4:])
+                    v = v.detach() / (args.num_mini_batches * args.ppo_epochs) if extreme is None else v.detach()
+                    sums[k] = sums.get(k, 0.0) + v if extreme is None else extreme(sums.get(k, v), v)
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # DeepSpeed: its float
             grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=device)
             if torch.isfinite(grad_norm):  # one host sync per optimizer step, never per micro-batch
@@ -578,6 +654,10 @@ def main(args: Args) -> None:
         raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
     if args.temperature <= 0:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.rollout_correction_cap < 1:
+        raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
+    if not 0 < args.daro_loss_floor <= 1:
+        raise SystemExit(f"--daro-loss-floor must be in (0, 1] (a fraction of M_mu), got {args.daro_loss_floor}")
     if not (0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
         raise SystemExit(f"--daro-w-min/--daro-w-max/--daro-w-lr: need 0 < w_min <= w_max and lr > 0, got {args.daro_w_min}, {args.daro_w_max}, {args.daro_w_lr}")
     if args.total_steps == 0 and args.eval_every <= 0:
@@ -659,6 +739,9 @@ def main(args: Args) -> None:
         tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len,
     )
+    answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
+    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
+        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -739,7 +822,7 @@ def main(args: Args) -> None:
             sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
         t_gen = time.time() - t0
         texts = [c.text for c in completions]
-        correct, reward_info = score(texts, golds)
+        correct, reward_info = score(texts, golds, answer_format=answer_format)
         t_reward = time.time() - t0 - t_gen
         device = accelerator.device
         correct = torch.tensor(correct, device=device)
@@ -756,7 +839,7 @@ def main(args: Args) -> None:
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
                  "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
         batch.update(bucket=bucket, daro=daro)  # ALGO LOGIC: DARO's buckets and weights for update_policy
-        if all(c.logprobs is not None for c in completions):  # the sampler's own log-probs, for the canary only
+        if all(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
             batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
@@ -783,7 +866,8 @@ def main(args: Args) -> None:
         g = lambda x: (lambda y: y[~y.isnan()])(accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))))  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        counts = {k: g(v).mean().item() for k, v in sums.items()}
+        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0
         metrics = {
@@ -798,6 +882,7 @@ def main(args: Args) -> None:
             "train/groups_all_correct": (group_acc == 1).float().mean().item(),
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
+            "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
             **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size).items()},
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),

@@ -16,6 +16,9 @@ KL penalty to a frozen reference model inside the same average:
 Defaults follow DeepSeekMath §4.2 where a single node can (G=64, 1024 completions per step, lr 1e-6,
 beta=0.04, eps=0.2, max length 1024, one update per rollout) on Qwen2.5-Math-1.5B and MATH.
 Choices the paper leaves open: std is the unbiased estimator, eps_std = 1e-6; a zero-variance group gets A = 0.
+Not from the paper (our choices, as in every script): the verifier reads the final answer in the template's format
+(--reward-format auto; qwen-boxed: the last \\boxed{}), and --rollout-correction (TRL's / verl's truncated importance
+sampling for the vLLM/trainer mismatch; on by default with vLLM) reweights the policy term, never the KL term.
 
     accelerate launch grpo.py                                  # the paper setting, on GPUs
     python grpo.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -27,6 +30,7 @@ import contextlib
 import functools
 import glob
 import json
+import math
 import os
 import random
 import re
@@ -43,7 +47,7 @@ import tyro
 
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
-from common.reward import extract_final_answer, find_unparseable_gold, score
+from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score
 from common.sampling import make_sampler, resolve_sampler
 
 
@@ -81,6 +85,9 @@ class Args:
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
+    """where the verifier reads the final answer (a completion without one scores 0, a format error); auto: from
+    --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag; see README "Answer formats")"""
     max_prompt_tokens: int = 1024
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
@@ -136,6 +143,13 @@ class Args:
     """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
+    rollout_correction: Literal[
+        "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
+    ] = "auto"
+    """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
+    (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
+    rollout_correction_cap: float = 2.0
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -182,6 +196,33 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return adv.view(-1)
 
 
+def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=None):
+    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
+    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
+    log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
+    w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
+    counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
+    the correction is off or "auto", which main() resolves from the sampler; stats: token means over the
+    mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
+    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
+    if args.rollout_correction in ("none", "auto"):
+        return 1.0, {}
+    if rollout_logps is None:
+        raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
+    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)) * mask
+    if args.rollout_correction.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
+    weight = torch.exp(log_w.clamp(max=log_cap))
+    if args.rollout_correction.endswith("mask"):
+        weight = torch.where(over, 0.0, weight)
+    token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+    stats = {"rollout_corr_weight_mean": token_mean(weight), "rollout_corr_capped_frac": token_mean(over),
+             "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
+             "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax()}
+    return weight, stats
+
+
 def compute_policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -191,6 +232,7 @@ def compute_policy_loss(
     num_tokens: torch.Tensor | None = None,
     num_seqs: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss (DeepSeekMath eq. 3): -1/G sum_i 1/|o_i| sum_t [min(r A, clip(r) A) - beta KL_k3].
 
@@ -201,8 +243,8 @@ def compute_policy_loss(
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv)
-    per_token = -surrogate
-    stats = {}
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)  # 1.0 when off
+    per_token = -surrogate * rc_weight
     if args.beta > 0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1  # k3 estimator of KL(pi || pi_ref), R1 eq. 2
@@ -341,16 +383,17 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 
 def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
-    metrics, k = {}, args.eval_samples
+    metrics, k, fmt = {}, args.eval_samples, answer_format_for(args.prompt_template, args.reward_format)
     for name, (prompts, golds) in eval_sets.items():
         top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
         texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
-        correct, _ = score(texts, [g for g in golds for _ in range(k)])
+        correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
         short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
         metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
         metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
-        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct([extract_final_answer(t) for t in ts], c) for ts, c in groups]))
+        finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
+        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
     return metrics
 
 
@@ -415,15 +458,19 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                 with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                     logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
                     old = logps.detach() if "old_logps" not in m else m["old_logps"]
-                    loss, stats = compute_policy_loss(logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, ref_logps=m.get("ref_logps"))
+                    loss, stats = compute_policy_loss(
+                        logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs,
+                        ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"))
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
                     canary_tokens.append(m["mask"].sum())
                 stats["loss"] = loss.detach()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach() / (args.num_mini_batches * args.ppo_epochs)
+                for k, v in stats.items():  # means over the rollout; *_min / *_max: extremes over it
+                    extreme = {"_min": torch.minimum, "_max": torch.maximum}.get(k[-4:])
+                    v = v.detach() / (args.num_mini_batches * args.ppo_epochs) if extreme is None else v.detach()
+                    sums[k] = sums.get(k, 0.0) + v if extreme is None else extreme(sums.get(k, v), v)
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # DeepSpeed: its float
             grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=device)
             if torch.isfinite(grad_norm):  # one host sync per optimizer step, never per micro-batch
@@ -457,6 +504,8 @@ def main(args: Args) -> None:
         raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
     if args.temperature <= 0:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.rollout_correction_cap < 1:
+        raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
     if args.total_steps == 0 and args.eval_every <= 0:
         raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
     try:
@@ -536,6 +585,9 @@ def main(args: Args) -> None:
         tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len,
     )
+    answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
+    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
+        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -621,7 +673,7 @@ def main(args: Args) -> None:
             sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
         t_gen = time.time() - t0
         texts = [c.text for c in completions]
-        correct, reward_info = score(texts, golds)
+        correct, reward_info = score(texts, golds, answer_format=answer_format)
         t_reward = time.time() - t0 - t_gen
         device = accelerator.device
         correct = torch.tensor(correct, device=device)
@@ -636,7 +688,7 @@ def main(args: Args) -> None:
         ids, attn, mask, p_len = pad_batch([p for p in prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id)
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
                  "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
-        if all(c.logprobs is not None for c in completions):  # the sampler's own log-probs, for the canary only
+        if all(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
             batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
@@ -663,7 +715,8 @@ def main(args: Args) -> None:
         g = lambda x: (lambda y: y[~y.isnan()])(accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))))  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        counts = {k: g(v).mean().item() for k, v in sums.items()}
+        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0
         metrics = {
@@ -678,6 +731,7 @@ def main(args: Args) -> None:
             "train/groups_all_correct": (group_acc == 1).float().mean().item(),
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
+            "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
             **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size).items()},
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),

@@ -1,7 +1,10 @@
 """Math answer reward: math-verify on the completion's final answer, bounded in time and memory.
 
-Extraction is plain string scanning in the caller: the final answer is the content of the last `\\boxed{}` /
-`\\fbox{}`, else of the last `Answer: ...` line (DAPO's template). An answer longer than `MAX_ANSWER_CHARS` or
+Extraction is plain string scanning in the caller, in one of four answer formats (`ANSWER_FORMATS`): "boxed", the
+last `\\boxed{}` / `\\fbox{}` (Qwen-Math's verifier, Dr. GRPO's official code); "answer-line", the last `Answer: ...`
+in the last 300 characters (DAPO's verifier, verl `math_dapo`); "answer-tag", the last `<answer>...</answer>` (the R1
+template); "any", the first of those found, else the last number of the last line (bare-answer data). A completion
+with no answer in the required format is a format error and scores 0. An answer longer than `MAX_ANSWER_CHARS` or
 holding lone surrogates scores 0 as an error without being parsed; one equal to the gold string scores 1
 without math-verify. Nothing is ever `eval`-ed.
 
@@ -49,9 +52,19 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"\\[{}]|[{}]")  # escaped braces `\{ \}` are text, not structure
 _ANSWER_LINE = re.compile(r"^[^\w\n]*(?:final[ \t]+)?answer[^\w\n:]*:(.*)$", re.IGNORECASE | re.MULTILINE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the R1 template's answer tags
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # verl math_dapo's answer_pattern (is_correct_minerva)
+_DAPO_TAIL = 300  # math_dapo reads only the last 300 characters ("the longest answer in MATH-500 has 159")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-tag")
+TEMPLATE_ANSWER_FORMATS = {"none": "any", "qwen-boxed": "boxed", "dapo": "answer-line", "r1": "answer-tag"}
+
+
+def answer_format_for(prompt_template: str, reward_format: str = "auto") -> str:
+    """The answer format a script scores with: --reward-format, or with "auto" the one its --prompt-template asks for
+    (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)."""
+    return TEMPLATE_ANSWER_FORMATS[prompt_template] if reward_format == "auto" else reward_format
 
 
 def _unwrap(s: str) -> str:
@@ -77,7 +90,23 @@ def _last_boxed(text: str, limit: int | None = None) -> str | None:
     return None
 
 
-def _extract(text: str, limit: int | None) -> str | None:
+def _answer_line(line: str, limit: int | None) -> str | None:
+    """The answer on an `Answer:` line: a box on it wins; trailing periods, `**` and `$...$` wrappers go."""
+    boxed = _last_boxed(line, limit) if _BOX.search(line) else None
+    return boxed if boxed is not None else _unwrap(line.strip().rstrip(".").strip("* "))
+
+
+def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | None:
+    if answer_format == "boxed":
+        return _last_boxed(text, limit) or None
+    if answer_format == "answer-tag":  # the last <answer>...</answer>; a box inside wins (understand-r1-zero)
+        tags = _ANSWER_TAG.findall(text)
+        return ((_last_boxed(tags[-1], limit) if _BOX.search(tags[-1]) else _unwrap(tags[-1])) or None) if tags else None
+    if answer_format == "answer-line":  # math_dapo: the last match of its pattern in the last 300 characters
+        lines = _DAPO_ANSWER.findall(text[-_DAPO_TAIL:])
+        return (_answer_line(lines[-1], limit) or None) if lines else None
+    if answer_format != "any":
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
     boxed = _last_boxed(text, limit)
     if boxed is None:
         tags = _ANSWER_TAG.findall(text)
@@ -95,12 +124,15 @@ def _extract(text: str, limit: int | None) -> str | None:
     return boxed or None
 
 
-def extract_final_answer(text: str) -> str | None:
-    """The completion's final answer, the first of: the last `\\boxed{}`/`\\fbox{}` content (balanced braces);
-    the last `<answer>...</answer>` (R1 template; a box inside wins); the last `Answer: ...` line (DAPO
-    template); the last number on the last line (bare answers such as "7"). `$...$`, `\\(...\\)` and
-    `\\[...\\]` wrappers are removed; None if there is none."""
-    return _extract(text, None)
+def extract_final_answer(text: str, answer_format: str = "any") -> str | None:
+    """The completion's final answer in `answer_format`, None if it has none there (a format error).
+
+    "any": the first of the last `\\boxed{}`/`\\fbox{}` content (balanced braces); the last `<answer>...</answer>`
+    (a box inside wins); the last line starting `Answer:` / `Final answer:`; the last number on the last line (bare
+    answers such as "7"). "boxed": the last box only. "answer-tag": the last `<answer>...</answer>` only (a box
+    inside wins). "answer-line": the last `Answer: ...` (case-insensitive, anywhere on a line, as verl's math_dapo)
+    within the last 300 characters (a box on it wins). `$...$`, `\\(...\\)` and `\\[...\\]` wrappers are removed."""
+    return _extract(text, None, answer_format)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -308,22 +340,28 @@ def _shutdown() -> None:
         _POOL.close()
 
 
-def score(completions: list[str], answers: list[str], timeout_s: float = 5.0) -> tuple[list[float], dict[str, int]]:
+def score(
+    completions: list[str], answers: list[str], timeout_s: float = 5.0, answer_format: str = "any"
+) -> tuple[list[float], dict[str, int]]:
     """Score each completion 1.0/0.0 against its gold answer and count what went wrong.
 
-    Returns `(scores, {"timeouts": n, "errors": n, "no_answer": n})`: timeouts are items that ran past
-    `timeout_s` seconds; errors are exceptions, dead workers, answers too long or not valid unicode, and
-    unparseable gold; no_answer is a completion with no final answer (or one math-verify extracts nothing from).
+    Returns `(scores, {"timeouts": n, "errors": n, "no_answer": n, "format_errors": n})`: timeouts are items that
+    ran past `timeout_s` seconds; errors are exceptions, dead workers, answers too long or not valid unicode, and
+    unparseable gold; no_answer is a completion with no final answer (or one math-verify extracts nothing from);
+    format_errors, a subset of no_answer, is a completion with no answer in `answer_format` (see extract_final_answer).
     """
     if len(completions) != len(answers):
         raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
-    scores, counts = [0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0}
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    scores, counts = [0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0}
     key = {"timeout": "timeouts", "error": "errors", "no_answer": "no_answer"}
     tasks: list[tuple[int, str | None, str]] = []
     for i, (completion, gold) in enumerate(zip(completions, answers)):
-        ans = _extract(completion, MAX_ANSWER_CHARS)
+        ans = _extract(completion, MAX_ANSWER_CHARS, answer_format)
         if ans is None:
             counts["no_answer"] += 1
+            counts["format_errors"] += 1
         elif len(ans) > MAX_ANSWER_CHARS or _SURROGATE.search(ans):
             counts["errors"] += 1
         elif ans == _gold_text(str(gold)):
@@ -337,9 +375,10 @@ def score(completions: list[str], answers: list[str], timeout_s: float = 5.0) ->
     return scores, counts
 
 
-def math_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1.0 where math-verify judges the completion's final answer equivalent to the gold answer, else 0.0."""
-    return score(completions, answers)[0]
+def math_reward(completions: list[str], answers: list[str], answer_format: str = "any") -> list[float]:
+    """1.0 where math-verify judges the completion's final answer, read in `answer_format` (one of ANSWER_FORMATS),
+    equivalent to the gold answer, else 0.0 (also when there is no answer in that format)."""
+    return score(completions, answers, answer_format=answer_format)[0]
 
 
 def find_unparseable_gold(answers: list[str], timeout_s: float = 5.0) -> list[int]:

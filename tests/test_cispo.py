@@ -207,3 +207,20 @@ def test_defaults_are_the_papers():
     assert (a.temperature, a.top_p) == (1.0, 1.0)
     assert (a.eval_temperature, a.eval_top_p, a.eval_samples) == (1.0, 0.95, 32)  # MiniMax §5: AIME x32, T 1.0, top-p 0.95
     assert (a.prompts_per_step * a.group_size) % a.num_mini_batches == 0
+
+
+@pytest.mark.parametrize("l_max,l_cache", [(20, 8), (7, 7), (10, 1)])
+def test_overlong_penalty_is_dapos_soft_punishment_on_the_0_1_reward(l_max, l_cache):
+    """--overlong-penalty (MiniMax-M1 §3.1 keeps DAPO's length penalty): R = 1[correct] + factor * R_len, with R_len
+    from DAPO eq. 13 case by case (tests.test_dapo.soft_overlong); off by default (ScaleRL)."""
+    from tests.test_dapo import soft_overlong
+
+    lengths = torch.arange(0, l_max + 3)
+    correct = (lengths % 2).double()
+    for factor in (1.0, 0.5):
+        args = make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache, overlong_penalty=True, overlong_penalty_factor=factor)
+        got = cispo.compute_rewards(correct, lengths, lengths >= l_max, args)
+        want = [c + factor * soft_overlong(int(n), l_max, l_cache) for c, n in zip(correct.tolist(), lengths)]
+        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6)  # fp32 reward
+    off = cispo.compute_rewards(correct, lengths, lengths >= l_max, make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache))
+    assert off.tolist() == correct.tolist()

@@ -70,6 +70,16 @@ def brute_mass(adv, mask, bucket, group_size):
     return mass
 
 
+def brute_onpolicy_loss(adv, mask, bucket, group_size):
+    """L_c at r = 1: each token's PPO-clip term is -A_i, so L_c = sum over bucket c's sequences of -|o_i| A_i / L."""
+    total_tokens = sum(sum(row) for row in mask.tolist())
+    loss = [0.0] * (group_size + 1)
+    for i in range(len(bucket)):
+        if 0 < int(bucket[i]) < group_size:
+            loss[int(bucket[i])] -= sum(mask[i].tolist()) * adv[i].item() / total_tokens
+    return loss
+
+
 def test_advantages_match_reference():
     args = make_args()
     rewards, *_ = rollout(0)
@@ -158,7 +168,7 @@ def test_all_correct_and_all_wrong_groups_get_no_weight_and_no_loss():
     loss, _ = daro.compute_policy_loss(logps[:8], old[:8], adv[:8], mask[:8], args, bucket=bucket[:8], weights=w)
     assert loss.item() == 0.0
     state = daro.DaroWeights(args)
-    mass, seqs = daro.bucket_mass(adv[:8], bucket[:8], mask[:8], args)
+    mass, seqs, _ = daro.bucket_mass(adv[:8], bucket[:8], mask[:8], args)
     assert (mass == 0).all() and (seqs == 0).all()
     state.step(torch.full((G + 1,), 0.01, dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))  # even if told otherwise
     assert state.weights()[0] == 1 and state.weights()[G] == 1 and (state.weights()[1:G] > 1).all()
@@ -192,7 +202,7 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
     perm = torch.randperm(24, generator=torch.Generator().manual_seed(0))  # micro-batches cut across groups
     chunks = [perm[:5], perm[5:7], perm[7:16], perm[16:]]
     num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    mass, seqs = daro.bucket_mass(adv, bucket, mask, args, num_tokens)
+    mass, seqs, onpolicy = daro.bucket_mass(adv, bucket, mask, args, num_tokens)
     parts = [daro.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs,
                                       bucket=bucket[c], weights=w, bucket_seqs=seqs) for c in chunks]
     total = sum(p[0] for p in parts)
@@ -203,7 +213,9 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
         torch.testing.assert_close(sum(p[1][k] for p in parts).double(), v.double(), rtol=0, atol=1e-6, msg=k)
     # the w-update's inputs add up over micro-batches too, and match the loops
     summed = sum(daro.bucket_mass(adv[c], bucket[c], mask[c], args, num_tokens) for c in chunks)
-    torch.testing.assert_close(summed, torch.stack([mass, seqs]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(summed, torch.stack([mass, seqs, onpolicy]), rtol=0, atol=1e-12)
+    want_onpolicy = torch.tensor(brute_onpolicy_loss(adv, mask, bucket, G), dtype=torch.float64)
+    torch.testing.assert_close(onpolicy, want_onpolicy, rtol=0, atol=1e-12)
     torch.testing.assert_close(mass, torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64), rtol=0, atol=1e-12)
     assert seqs.tolist() == [0, 4, 8, 4, 0]
 
@@ -355,3 +367,52 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key)
     with open(os.path.join(run_dir, "args.json")) as f:
         assert json.load(f)["daro_w_lr"] == 0.1
+
+
+def test_loss_target_converges_to_inverse_loss_and_stays_bounded():
+    """--daro-w-target loss: w_mu -> 1/L_mu for fixed L_mu above the floor (the write-up's w_mu L_mu = 1); where
+    L_mu <= floor x M_mu (here 0, negative, tiny) the target is floor x M_mu, so w_mu -> 1/(floor M_mu): finite and
+    bounded, far below --daro-w-max. Tolerance: SGD on sum (e^s T - s) converges geometrically; 400 steps at lr 0.1
+    leave a relative error below 1e-6 for these targets."""
+    args = make_args(group_size=6, daro_w_target="loss", daro_loss_floor=0.1)
+    mass = torch.tensor([0.0, 0.8, 0.5, 1.0, 0.6, 0.4, 0.0], dtype=torch.float64)
+    loss = torch.tensor([0.0, 0.3, 0.25, 0.0, -0.2, 1e-9, 0.0], dtype=torch.float64)
+    target = daro.w_target(mass, loss, args)
+    torch.testing.assert_close(target, torch.tensor([0.0, 0.3, 0.25, 0.1, 0.06, 0.04, 0.0], dtype=torch.float64))
+    state = daro.DaroWeights(args)
+    for _ in range(400):
+        state.step(target, mass > 0)
+    w = state.weights()
+    torch.testing.assert_close(w[1:3], 1 / loss[1:3], rtol=1e-6, atol=0)
+    torch.testing.assert_close(w[3:6], 1 / (0.1 * mass[3:6]), rtol=1e-6, atol=0)
+    assert w[0] == 1 and w[6] == 1 and (w <= 1 / (0.1 * mass[1:6].min())).all()
+    assert torch.equal(daro.w_target(mass, loss, make_args(group_size=6)), mass)  # the default target is the mass
+
+
+def test_normalised_weights_have_mean_one_over_present_buckets():
+    """--daro-w-normalize: the policy step's w_mu are the learnt ones divided by their mean over the buckets present
+    (groups with c = 1, 2, 2 here: bucket 3 is absent and mu = 0, 1 never count), so the loss and its gradient are
+    those of the given weights divided by that mean; the step-scale stats use the same weights."""
+    rewards, mask, old, logps = rollout(5)
+    rows = torch.cat([torch.arange(8, 16), torch.arange(20, 24)])  # groups 2, 3, 5 of REWARDS
+    rewards, mask, old, logps = rewards[rows], mask[rows], old[rows], logps[rows]
+    args, norm = make_args(), make_args(daro_w_normalize=True)
+    adv = daro.compute_advantages(rewards, args)
+    w = torch.tensor(WEIGHTS, dtype=torch.float64)
+    scaled = w / ((w[1] + w[2]) / 2)
+    x = logps.detach().clone().requires_grad_(True)
+    loss, stats = daro.compute_policy_loss(x, old, adv, mask, norm, weights=w)
+    (g,) = torch.autograd.grad(loss, x)
+    y = logps.detach().clone().requires_grad_(True)
+    want_loss, _ = daro.compute_policy_loss(y, old, adv, mask, args, weights=scaled)
+    (want,) = torch.autograd.grad(want_loss, y)
+    torch.testing.assert_close((g, loss), (want, want_loss), rtol=0, atol=1e-12)
+    mass = brute_mass(adv, mask, daro.pass_rate_bucket(rewards, args), G)
+    assert stats["daro_mass"].item() == pytest.approx(sum(mass), rel=1e-12)
+    weighted = sum(scaled[c].item() * mass[c] for c in range(G + 1))
+    assert stats["daro_weighted_mass"].item() == pytest.approx(weighted, rel=1e-12)
+    # a mini-batch with no bucket present (only mu = 0 / mu = 1 groups) still has loss 0, not 0/0
+    all_or_none, mask0, old0, logps0 = rollout(5)
+    adv0 = daro.compute_advantages(all_or_none[:8], args)
+    loss0, _ = daro.compute_policy_loss(logps0[:8], old0[:8], adv0, mask0[:8], norm, weights=w)
+    assert loss0.item() == 0.0

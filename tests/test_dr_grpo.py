@@ -192,3 +192,15 @@ def test_defaults_are_the_papers():
     assert (a.num_mini_batches, a.ppo_epochs) == (8, 1)
     assert (a.eval_temperature, a.eval_max_new_tokens, a.eval_samples) == (0.0, 3000, 1)
     assert (a.dataset_name, a.prompt_column, a.answer_column) == ("hiyouga/math12k", "problem", "answer")
+
+
+def test_truncated_completions_get_reward_zero():
+    """understand-r1-zero train_zero_math.py: a truncated output's reward is set to 0, a correct one included."""
+    correct = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    truncated = torch.tensor([False, True, False, True])
+    lengths = torch.tensor([5, 8, 3, 8])
+    rewards = dr_grpo.compute_rewards(correct, lengths, truncated, dr_grpo.Args(max_new_tokens=8))
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    keep = dr_grpo.Args(max_new_tokens=8, truncated_reward="keep")
+    assert dr_grpo.compute_rewards(correct, lengths, truncated, keep).tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert grpo.compute_rewards(correct, lengths, truncated, grpo.Args()).tolist() == [1.0, 1.0, 0.0, 0.0]  # GRPO keeps it

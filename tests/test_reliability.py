@@ -482,7 +482,7 @@ def check_scores(completions, answers):
     elapsed = time.monotonic() - t0
     assert len(scores) == len(completions)
     assert all(type(s) is float and s in (0.0, 1.0) for s in scores), scores
-    assert set(counts) == {"timeouts", "errors", "no_answer"} and all(isinstance(v, int) and v >= 0 for v in counts.values())
+    assert set(counts) == {"timeouts", "errors", "no_answer", "format_errors"} and all(isinstance(v, int) and v >= 0 for v in counts.values())
     assert elapsed < TIMEOUT_S * len(completions) + 10, elapsed
     assert not os.path.exists(CANARY)
 

@@ -39,7 +39,7 @@ WRONG = [
 
 @pytest.mark.parametrize("completion,gold", CORRECT)
 def test_correct(completion, gold):
-    assert score([completion], [gold]) == ([1.0], {"timeouts": 0, "errors": 0, "no_answer": 0})
+    assert score([completion], [gold]) == ([1.0], {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0})
 
 
 @pytest.mark.parametrize("completion,gold", WRONG)
@@ -49,7 +49,7 @@ def test_wrong(completion, gold):
 
 def test_no_answer_is_counted():
     _, counts = score(["I have no idea.", "", r"\boxed{}", r"\boxed{7}"], ["1", "1", "1", "7"])
-    assert counts == {"timeouts": 0, "errors": 0, "no_answer": 3}
+    assert counts == {"timeouts": 0, "errors": 0, "no_answer": 3, "format_errors": 3}
 
 
 def test_batch_matches_items():
@@ -158,7 +158,7 @@ def test_dead_worker_is_replaced():
     dead = reward._POOL.workers[-1]
     dead.proc.kill()
     dead.proc.wait()
-    assert score([r"\boxed{2/4}"] * 6, ["0.5"] * 6) == ([1.0] * 6, {"timeouts": 0, "errors": 0, "no_answer": 0})
+    assert score([r"\boxed{2/4}"] * 6, ["0.5"] * 6) == ([1.0] * 6, {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0})
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
@@ -167,3 +167,46 @@ def test_workers_do_not_load_torch():
     for w in reward._POOL.workers:
         with open(f"/proc/{w.proc.pid}/maps") as f:
             assert "torch" not in f.read()
+
+
+# Answer formats (SPEC §2 math_reward): each paper's verifier reads the answer only where its template puts it.
+# (completion, gold, {format: expected score}); a missing format is scored by "any".
+FORMAT_CASES = [
+    ("First 20 + 22 = 42", "42", {"any": 1, "boxed": 0, "answer-line": 0, "answer-tag": 0}),  # cut off, no marker
+    (r"so the sum is \boxed{42}.", "42", {"any": 1, "boxed": 1, "answer-line": 0, "answer-tag": 0}),
+    (r"\boxed{41} no, wait: \boxed{42}", "42", {"boxed": 1}),
+    (r"\boxed{42} then \boxed{\frac{1", "42", {"boxed": 1}),  # a truncated last box falls back to the one before
+    ("Work.\nAnswer: 42", "42", {"any": 1, "boxed": 0, "answer-line": 1, "answer-tag": 0}),
+    ("Work.\n**Answer:** $\\frac{3}{4}$.", "0.75", {"answer-line": 1}),
+    ("Work.\nanswer : \\boxed{7}", "7", {"answer-line": 1, "boxed": 1}),  # case-insensitive; a box on the line wins
+    ("So the final answer: 5, I think", "5, I think", {"answer-line": 1}),  # math_dapo's pattern: anywhere on a line
+    ("Answer: 42\n" + "x" * 300, "42", {"any": 1, "answer-line": 0}),  # beyond math_dapo's last 300 characters
+    ("Answer: 41\nAnswer: 42", "42", {"answer-line": 1}),  # the last one
+    ("<think>2+2</think> <answer> $4$ </answer>", "4", {"any": 1, "boxed": 0, "answer-line": 0, "answer-tag": 1}),
+    (r"<think>x</think> <answer>so \boxed{3}</answer>", "3", {"answer-tag": 1, "boxed": 1}),
+    ("<think>the answer is 4</think> 4", "4", {"any": 1, "answer-tag": 0}),  # no tags
+    ("<answer>4", "4", {"answer-tag": 0}),  # unclosed tag
+    ("<answer>3</answer> <answer>4</answer>", "4", {"answer-tag": 1}),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", FORMAT_CASES)
+def test_answer_formats(completion, gold, expected):
+    for fmt, want in expected.items():
+        assert math_reward([completion], [gold], answer_format=fmt) == [float(want)], fmt
+
+
+def test_format_errors_are_counted():
+    texts = ["First 20 + 22 = 42", r"\boxed{42}", r"\boxed{41}", "Answer: 42"]
+    scores, counts = score(texts, ["42"] * 4, answer_format="boxed")
+    assert scores == [0.0, 1.0, 0.0, 0.0] and counts["format_errors"] == 2 and counts["no_answer"] == 2
+    assert score(texts, ["42"] * 4)[1]["format_errors"] == 0  # "any" finds an answer in all four
+
+
+def test_answer_format_for_templates_and_bad_format():
+    from common.reward import answer_format_for
+
+    assert [answer_format_for(t) for t in ("none", "qwen-boxed", "dapo", "r1")] == ["any", "boxed", "answer-line", "answer-tag"]
+    assert answer_format_for("r1", "boxed") == "boxed"
+    with pytest.raises(ValueError, match="answer_format"):
+        score(["4"], ["4"], answer_format="latex")

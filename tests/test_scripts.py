@@ -17,7 +17,7 @@ SCRIPTS = [s for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "
 LEARN_FLAGS: dict[str, dict] = {
     "grpo": {"beta": 0},
     "dapo": {"max-gen-batches": 3, "num-mini-batches": 1, "warmup-steps": 0},
-    "dr_grpo": {"num-mini-batches": 1},
+    "dr_grpo": {"num-mini-batches": 1, "truncated-reward": "keep"},  # the toy's completions almost never end with EOS
     "lite_ppo": {},
     "gspo": {},
     "cispo": {"max-gen-batches": 1, "num-mini-batches": 4, "warmup-steps": 0},

@@ -143,12 +143,17 @@ def test_aborted_or_failed_requests_raise():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_trains_with_the_vllm_sampler(script, vllm_assets, tmp_path):
     """A few steps with --sampler vllm: the canary (sampler log-probs against the trainer's, on the rollout the update
-    trains on) stays below LOGPROB_ATOL at every step that trained, so each step's sync reached the engine."""
+    trains on) stays below LOGPROB_ATOL at every step that trained, so each step's sync reached the engine, and the
+    rollout correction's weights are 1."""
     run([sys.executable, os.path.join(ROOT, f"{script}.py"), *vllm_flags(vllm_assets, tmp_path, 4, **{"exp-name": "v"})])
     (run_dir,) = glob.glob(os.path.join(tmp_path, "v__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert_canary(rows, min_updates=2)
+    # --rollout-correction auto is token-truncate with vLLM; in fp32 its weights exp(old - sampler) are 1 within
+    # the canary's bound (exp(1e-4) - 1 ~ 1e-4)
+    weights = [r[f"train/rollout_corr_weight_{k}"] for r in rows for k in ("min", "max") if "train/rollout_corr_weight_min" in r]
+    assert weights and all(abs(w - 1) < LOGPROB_ATOL for w in weights), weights
 
 
 # The line that pushes the weights after the optimizer step, identical in every script.

@@ -10,7 +10,7 @@ common="--model-name-or-path /tmp/toy/model --dataset-name /tmp/toy/train.jsonl 
   --save-every 0 --log-samples-every 0 --warmup-steps 0 --output-dir $out"
 python grpo.py $common --beta 0
 python dapo.py $common --max-gen-batches 3 --num-mini-batches 1
-python dr_grpo.py $common --num-mini-batches 1
+python dr_grpo.py $common --num-mini-batches 1 --truncated-reward keep
 python lite_ppo.py $common
 python gspo.py $common
 python cispo.py $common --max-gen-batches 1 --num-mini-batches 4
