@@ -28,7 +28,7 @@ import torch
 
 from common.sampling import Completion, VLLMSampler, vllm_available
 from tests.test_distributed import free_port
-from tests.test_scripts import ROOT, SCRIPTS, read_metrics, toy_flags
+from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
 
 if torch.cuda.is_available():  # these check the fp32 CPU engine; on GPUs the engine is bf16 (gpu-marked tests)
     pytest.skip("the vLLM CPU tests run without CUDA; see the gpu-marked tests", allow_module_level=True)
@@ -145,7 +145,8 @@ def test_every_script_trains_with_the_vllm_sampler(script, vllm_assets, tmp_path
     """A few steps with --sampler vllm: the canary (sampler log-probs against the trainer's, on the rollout the update
     trains on) stays below LOGPROB_ATOL at every step that trained, so each step's sync reached the engine, and the
     rollout correction's weights are 1."""
-    run([sys.executable, os.path.join(ROOT, f"{script}.py"), *vllm_flags(vllm_assets, tmp_path, 4, **{"exp-name": "v"})])
+    extra = {**LEARN_FLAGS[script], "exp-name": "v"}  # the toy task's flags (e.g. Dr. GRPO keeps truncated rewards)
+    run([sys.executable, os.path.join(ROOT, f"{script}.py"), *vllm_flags(vllm_assets, tmp_path, 4, **extra)])
     (run_dir,) = glob.glob(os.path.join(tmp_path, "v__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
