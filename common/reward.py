@@ -5,7 +5,8 @@ Extraction is plain string scanning in the caller: the final answer is the conte
 holding lone surrogates scores 0 as an error without being parsed; one equal to the gold string scores 1
 without math-verify. Nothing is ever `eval`-ed.
 
-Parsing (gold cached once per worker) and `verify` run in `NUM_WORKERS` worker processes. A worker is
+Parsing (gold cached once per worker) and `verify` run in worker processes, by default as many as the cores
+this process may use divided among the node's local ranks (`default_workers`; `set_workers` overrides). A worker is
 `python -c` running this very file: not a fork of the trainer (no torch, CUDA or NCCL state) and, unlike a
 'spawn' multiprocessing child, it never re-imports the training script; it imports only math-verify. Each
 worker caps its address space and CPU time and arms a SIGALRM timer per item (math-verify's own signal
@@ -15,6 +16,12 @@ no signal handler runs, e.g. big-integer arithmetic) is killed; the item it was 
 rest of its chunk is queued again and a fresh worker takes its place, so one bad item never zeroes its
 neighbours and later calls still work. The pool starts on first use, is reused, is re-created in a forked
 child and is killed at exit.
+
+Plain-number answers (a predicted and a gold answer that are both at most 30-digit integers or decimals) are
+scored in the calling process instead, when it is the main thread: math-verify on such strings builds bounded
+sympy numbers (no operators, so nothing like `9^9^9^9` can blow up memory), and the same SIGALRM timer bounds
+its time. This saves the round trip to the workers for the short answers most math data has. With
+`set_workers(0)` every item is scored in the calling process: bounded in time (main thread only), not in memory.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from collections import deque
 from typing import Any
 
 MAX_ANSWER_CHARS = 1000  # longer extracted answers score 0 (counted as errors) without parsing
-NUM_WORKERS = min(2, os.cpu_count() or 1)
+NUM_WORKERS = -1  # -1: default_workers(); 0: score in the calling process; set by set_workers (--reward-workers)
 MEMORY_LIMIT_BYTES = 4 << 30  # RLIMIT_AS of each worker
 _CHUNK = 32  # max items per message to a worker
 _GRACE_S = 1.0  # extra wall time before the parent kills a worker (its own alarm fires at timeout_s)
@@ -50,6 +57,7 @@ _BRACE = re.compile(r"\\[{}]|[{}]")  # escaped braces `\{ \}` are text, not stru
 _ANSWER_LINE = re.compile(r"^[^\w\n]*(?:final[ \t]+)?answer[^\w\n:]*:(.*)$", re.IGNORECASE | re.MULTILINE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the R1 template's answer tags
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_PLAIN = re.compile(r"-?\d{1,30}(?:\.\d{1,30})?")  # scored in the calling process (see the module docstring)
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
@@ -287,15 +295,54 @@ _POOL: _Pool | None = None
 _LOCK = threading.Lock()
 
 
+def default_workers() -> int:
+    """The cores this process may use (its CPU affinity) divided among the node's local ranks (LOCAL_WORLD_SIZE,
+    set by torchrun / accelerate launch), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def set_workers(n: int) -> None:
+    """Score with `n` worker processes from now on; -1: `default_workers()`; 0: in the calling process."""
+    global NUM_WORKERS
+    if n < -1:
+        raise ValueError(f"set_workers: n must be >= -1, got {n}")
+    NUM_WORKERS = n
+
+
+def _run_here(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
+    """Scores tasks in this process, each under a SIGALRM timer (main thread only: signals go there)."""
+    log = logging.getLogger("math_verify")  # its "timeout is disabled" warnings: our timer is the timeout
+    previous, level = signal.signal(signal.SIGALRM, _on_alarm), log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {i: _score_item(pred, gold, timeout_s) for i, pred, gold in tasks}
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        log.setLevel(level)
+
+
 def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
     global _POOL
+    workers = default_workers() if NUM_WORKERS < 0 else NUM_WORKERS
+    results: dict[int, tuple[float, str]] = {}
+    if threading.current_thread() is threading.main_thread():  # plain numbers, or everything with 0 workers
+        here = [workers == 0 or bool(_PLAIN.fullmatch(p or "0") and _PLAIN.fullmatch(_gold_text(g))) for _, p, g in tasks]
+        results = _run_here([t for t, h in zip(tasks, here) if h], timeout_s)
+        tasks = [t for t, h in zip(tasks, here) if not h]
     if not tasks:
-        return {}
+        return results
     with _LOCK:
-        if _POOL is None or _POOL.pid != os.getpid():  # a forked child must not share its parent's pipes
-            _POOL = _Pool(NUM_WORKERS)
+        if _POOL is not None and (_POOL.pid != os.getpid() or len(_POOL.workers) != max(1, workers)):
+            if _POOL.pid == os.getpid():  # resized: a forked child must not touch its parent's workers
+                _POOL.close()
+            _POOL = None
+        if _POOL is None:  # a forked child must not share its parent's pipes
+            _POOL = _Pool(max(1, workers))
         try:
-            return _POOL.run(tasks, timeout_s)
+            return {**results, **_POOL.run(tasks, timeout_s)}
         except BaseException:  # e.g. Ctrl-C mid-batch: late answers must not leak into the next call
             _POOL.close()
             _POOL = None
