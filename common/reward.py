@@ -329,7 +329,8 @@ def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int
     workers = default_workers() if NUM_WORKERS < 0 else NUM_WORKERS
     results: dict[int, tuple[float, str]] = {}
     if threading.current_thread() is threading.main_thread():  # plain numbers, or everything with 0 workers
-        here = [workers == 0 or bool(_PLAIN.fullmatch(p or "0") and _PLAIN.fullmatch(_gold_text(g))) for _, p, g in tasks]
+        plain = [bool(_PLAIN.fullmatch(p or "0") and _PLAIN.fullmatch(_gold_text(g))) for _, p, g in tasks]
+        here = [workers == 0 or h for h in plain]
         results = _run_here([t for t, h in zip(tasks, here) if h], timeout_s)
         tasks = [t for t, h in zip(tasks, here) if not h]
     if not tasks:

@@ -1,7 +1,7 @@
 """Token normalisation across micro-batches and ranks: a script's update on a fixed rollout gives the same
-gradient with 1 process x 1 micro-batch, 1 process x k row micro-batches, 2 processes (torchrun, gloo) with the default
-token-budget micro-batches capped at k rows, 2 processes with micro-batches packed by a small token budget, and DeepSpeed
-ZeRO-3 on 2 processes."""
+gradient with 1 process x 1 micro-batch, 1 process x k row micro-batches, 2 processes (torchrun, gloo) with the
+default token-budget micro-batches capped at k rows, 2 processes with micro-batches packed by a small token budget,
+and DeepSpeed ZeRO-3 on 2 processes."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
     mod = importlib.import_module(script)
     assert mod.Args().micro_batch_tokens > 0  # token budgets are the default
     g = torch.Generator().manual_seed(0)
-    lens = [(int(p), int(c)) for p, c in zip(torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g))]
+    prompts, completions = torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g)
+    lens = [(int(p), int(c)) for p, c in zip(prompts, completions)]
     rows = torch.randperm(200, generator=g).tolist()[:150]
     for tokens, cap in [(1000, 256), (1000, 3), (8192, 256), (200, 256), (0, 7)]:
         plan = mod.micro_batches(rows, lens, mod.Args(micro_batch_tokens=tokens, micro_batch_size=cap))
