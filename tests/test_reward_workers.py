@@ -10,10 +10,15 @@ import pytest
 from common import reward
 from common.reward import score
 
-# (completion, gold, score): both answers plain numbers, so scored in the calling process
-PLAIN = [(r"\boxed{0.50}", "0.5", 1.0), (r"\boxed{3}", "3.0", 1.0), (r"\boxed{41}", "42", 0.0), ("so -1", "1", 0.0)]
-# not plain (an operator, a fraction, LaTeX): always through the workers
-OTHER = [(r"\boxed{\frac{1}{2}}", "0.5", 1.0), (r"\boxed{2^{10}}", "1024", 1.0), (r"\boxed{1/3}", "0.3", 0.0)]
+# (completion, gold, score): both answers integers, decided without math-verify
+INTEGERS = [(r"\boxed{007}", "7", 1.0), (r"\boxed{-0}", "0", 1.0), (r"\boxed{41}", "42", 0.0), ("so -1", "1", 0.0)]
+# anything else (decimals, fractions, LaTeX): math-verify, in the workers
+OTHER = [
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{2^{10}}", "1024", 1.0),
+    (r"\boxed{0.50}", "1/2", 1.0),
+    ("1/3", "0.3", 0.0),
+]
 
 
 @pytest.fixture
@@ -31,28 +36,52 @@ def pool_tasks(monkeypatch):
     return sent
 
 
-def test_plain_numbers_are_scored_in_process_and_the_rest_by_workers(pool_tasks):
-    batch = PLAIN + OTHER
+def test_integers_are_decided_without_math_verify_and_the_rest_by_workers(pool_tasks, monkeypatch):
+    batch = INTEGERS + OTHER
     scores, counts = score([c for c, _, _ in batch], [g for _, g, _ in batch])
     assert scores == [s for _, _, s in batch] and counts == {"timeouts": 0, "errors": 0, "no_answer": 0}
-    assert pool_tasks == [list(range(len(PLAIN), len(batch)))]  # only the non-plain items crossed to a worker
+    assert pool_tasks == [list(range(len(INTEGERS), len(batch)))]  # only the non-integer items crossed to a worker
+    monkeypatch.setattr(reward, "_verify", lambda pred, gold: 1 / 0)  # math-verify is never called for integers
+    assert score([c for c, _, _ in INTEGERS], [g for _, g, _ in INTEGERS])[0] == [s for _, _, s in INTEGERS]
 
 
-def test_off_the_main_thread_everything_goes_to_the_workers(pool_tasks):
-    """In-process scoring is bounded in time by SIGALRM, which only the main thread receives."""
-    out = []
-    thread = threading.Thread(target=lambda: out.append(score([c for c, _, _ in PLAIN], [g for _, g, _ in PLAIN])))
-    thread.start()
-    thread.join(timeout=120)
-    assert out and out[0][0] == [s for _, _, s in PLAIN]
-    assert pool_tasks == [list(range(len(PLAIN)))]
+@pytest.mark.parametrize(
+    "pred,gold",
+    [
+        ("7", "007"),
+        ("-0", "0"),
+        ("-5", "5"),
+        ("10", "1"),
+        ("0", "00"),
+        ("-12", "-12"),
+        ("1" * 30, "1" * 30),
+        ("1" * 29 + "2", "1" * 30),
+        ("100", "1e2"),
+        ("12", "12.0"),
+    ],
+)
+def test_the_integer_shortcut_is_math_verifys_verdict(pred, gold):
+    """The reference is math-verify itself (reward._verify, in this process) on the same pair."""
+    want = reward._verify(pred, gold)[0]
+    assert score([rf"\boxed{{{pred}}}"], [gold])[0] == [want]
 
 
 def test_zero_workers_scores_everything_in_process(pool_tasks):
     reward.set_workers(0)
-    batch = PLAIN + OTHER
+    batch = INTEGERS + OTHER
     assert score([c for c, _, _ in batch], [g for _, g, _ in batch])[0] == [s for _, _, s in batch]
     assert pool_tasks == []
+
+
+def test_zero_workers_off_the_main_thread_uses_one_worker(pool_tasks):
+    """In-process scoring is bounded in time by SIGALRM, which only the main thread receives."""
+    reward.set_workers(0)
+    out = []
+    thread = threading.Thread(target=lambda: out.append(score([c for c, _, _ in OTHER], [g for _, g, _ in OTHER])))
+    thread.start()
+    thread.join(timeout=120)
+    assert out and out[0][0] == [s for _, _, s in OTHER]
+    assert pool_tasks == [list(range(len(OTHER)))] and len(reward._POOL.workers) == 1
 
 
 def test_the_pool_is_resized_to_the_worker_count(pool_tasks):
