@@ -2,7 +2,7 @@
 
     pip install -r benchmarks/requirements.txt
     python benchmarks/bench_step.py                  # CPU: a small random Qwen2, writes benchmarks/results/step_cpu_*.md
-    python benchmarks/bench_step.py --hidden 64 --layers 2 --new-tokens 16 --rounds 3   # the toy-sized setup
+    OMP_NUM_THREADS=1 python benchmarks/bench_step.py --hidden 64 --layers 2 --new-tokens 16 --rounds 3  # toy-sized
     python benchmarks/bench_step.py --baseline /tmp/old/grpo.py   # also an older checkout (git archive), same flags
 
 Both sides: the same randomly initialised Qwen2 (built here, --hidden/--layers), the toy a+b prompts,
