@@ -1,7 +1,7 @@
-"""Step time of grpo.py against TRL's GRPOTrainer on the same model, batch, lengths and loss, back to back; with --rounds, the sides alternate so that load on a shared machine hits both.
+"""Step time of grpo.py against TRL's GRPOTrainer on the same model, batch, lengths and loss, back to back.
 
     pip install -r benchmarks/requirements.txt
-    python benchmarks/bench_step.py                  # CPU: a small random Qwen2, writes benchmarks/results/step_cpu_*.md
+    python benchmarks/bench_step.py                  # CPU: a small random Qwen2; writes benchmarks/results/step_*.md
     OMP_NUM_THREADS=1 python benchmarks/bench_step.py --hidden 64 --layers 2 --new-tokens 16 --rounds 3  # toy-sized
     python benchmarks/bench_step.py --baseline /tmp/old/grpo.py   # also an older checkout (git archive), same flags
 
@@ -12,7 +12,8 @@ generate, GRPO's per-sequence loss (TRL loss_type="grpo"), beta = --beta, one up
 rollout, lr 1e-6, fp32, gradient checkpointing off unless --gradient-checkpointing (TRL defaults it on). grpo.py runs
 at its own defaults otherwise (token-budget micro-batches) unless --micro-batch sets --micro-batch-size. Reported:
 median seconds per training step over the steps after --warmup (per round, and the median over rounds), and our
-per-phase breakdown from metrics.jsonl.
+per-phase breakdown from metrics.jsonl. With --rounds the sides alternate, so that load on a shared machine hits all
+of them; OMP_NUM_THREADS=1 keeps torch's threads from spinning against other processes there.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def ours(model: str, data: str, a, script: str = os.path.join(ROOT, "grpo.py")) 
            "--group-size", str(a.group_size), "--prompts-per-step", str(a.prompts), "--max-new-tokens", str(a.new_tokens),
            "--learning-rate", "1e-6", "--beta", str(a.beta),
            "--total-steps", str(a.steps), "--sampler", "hf", "--output-dir", out, "--save-every", "0", "--log-samples-every", "0"]
-    cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing + ["--micro-batch-size", str(a.micro_batch)] * (a.micro_batch > 0)
+    cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing
+    cmd += ["--micro-batch-size", str(a.micro_batch)] * (a.micro_batch > 0)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(script))}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     (run,) = os.listdir(out)
@@ -128,18 +130,21 @@ def main() -> None:
     import trl as trl_pkg
 
     med = [statistics.median(r[k] for r in rows) for k in range(len(rows[0]))]
-    head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline grpo.py | baseline / TRL |" if a.baseline else "")
+    head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline | baseline / TRL |" if a.baseline else "")
     lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
              f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
              f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
              f"grpo.py micro-batches: {f'--micro-batch-size {a.micro_batch}' if a.micro_batch else 'its defaults'}",
              "", head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in [*((f"round {k + 1}", r) for k, r in enumerate(rows)), ("**median s/step**", med)]:
-        lines.append(f"| {name} | {r[0]:.3f} | {r[1]:.3f} | {r[0] / r[1]:.2f} |" + (f" {r[2]:.3f} | {r[2] / r[1]:.2f} |" if a.baseline else ""))
-    lines += ["", "grpo.py phases, last round (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")]
+        extra = f" {r[2]:.3f} | {r[2] / r[1]:.2f} |" if a.baseline else ""
+        lines.append(f"| {name} | {r[0]:.3f} | {r[1]:.3f} | {r[0] / r[1]:.2f} |" + extra)
+    shown = ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")
+    lines += ["", "grpo.py phases, last round (median s): " + shown]
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"step_cpu_h{a.hidden}x{a.layers}_{a.new_tokens}tok{'_gc' if a.gradient_checkpointing else ''}.md"), "w") as f:
+    name = f"step_cpu_h{a.hidden}x{a.layers}_{a.new_tokens}tok{'_gc' if a.gradient_checkpointing else ''}.md"
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
         f.write(table + "\n")
     print(table)
 
