@@ -396,7 +396,7 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: Args) -> l
     """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
     lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
-    --micro-batch-tokens, longest completion first, up to --micro-batch-size rows fitting rows x (prompt + completion)"""
+    --micro-batch-tokens, longest completion first, as many rows as fit (at most --micro-batch-size)."""
     if args.micro_batch_tokens <= 0:
         groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
     else:
