@@ -83,7 +83,7 @@ import tyro
 
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
-from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score
+from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score, set_workers
 from common.sampling import make_sampler, resolve_sampler
 
 
@@ -104,6 +104,12 @@ class Args:
     """how many of the latest checkpoints to keep"""
     log_samples_every: int = 10
     """write a few prompt/completion/reward samples to samples.jsonl and TensorBoard every this many steps"""
+    track: bool = False
+    """track the run with Weights & Biases (TensorBoard synced, config = these flags, named as the run directory)"""
+    wandb_project_name: str = "rl-for-llm"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team or user; None: your default)"""
 
     # Model and data
     model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
@@ -164,11 +170,12 @@ class Args:
     """optimizer steps per rollout and epoch (1: fully on-policy, DeepSeekMath's single update)"""
     ppo_epochs: int = 1
     """passes over each rollout"""
-    micro_batch_size: int = 4
-    """sequences per forward/backward on each rank (gradient accumulation fills the mini-batch)"""
-    micro_batch_tokens: int = 0
-    """when > 0, micro-batches are packed by tokens instead of rows: each mini-batch's sequences, longest first, fill
-    micro-batches of at most this many (padded) tokens; the gradient is the same, with less padding"""
+    micro_batch_size: int = 256
+    """at most this many sequences per forward/backward on each rank (exactly this many with --micro-batch-tokens 0)"""
+    micro_batch_tokens: int = 8192
+    """token budget of one forward/backward on each rank: each mini-batch's sequences, longest first, fill micro-batches
+    of at most this many (padded) tokens; the gradient is the same, with less padding (0: --micro-batch-size rows).
+    8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's former default worst case (README "Micro-batches")"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on CUDA, none on CPU"""
     gradient_checkpointing: bool = False
@@ -186,6 +193,8 @@ class Args:
     (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
     """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
+    reward_workers: int = -1
+    """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -543,14 +552,14 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: Args) -> l
     """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
     lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
-    --micro-batch-tokens, longest completion first, as many rows as fit rows x (prompt + completion width)."""
+    --micro-batch-tokens, longest completion first, as many rows as fit (at most --micro-batch-size)."""
     if args.micro_batch_tokens <= 0:
         groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
     else:
         groups, width = [], (0, 0)
         for r in sorted(rows, key=lambda r: -lens[r][1]):
             w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
-            if not groups or (len(groups[-1]) + 1) * sum(w) > args.micro_batch_tokens:
+            if not groups or (n := len(groups[-1]) + 1) > args.micro_batch_size or n * sum(w) > args.micro_batch_tokens:
                 groups.append([])
                 w = lens[r]
             groups[-1].append(r)
@@ -652,6 +661,9 @@ def main(args: Args) -> None:
         raise SystemExit("--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
     if args.micro_batch_tokens < 0:
         raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
+    if args.reward_workers < -1:
+        raise SystemExit(f"--reward-workers must be >= -1 (-1: cores per local rank), got {args.reward_workers}")
+    set_workers(args.reward_workers)
     if args.temperature <= 0:
         raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
     if args.rollout_correction_cap < 1:
@@ -726,6 +738,11 @@ def main(args: Args) -> None:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
+        if args.track:  # wandb is imported only here; it syncs the TensorBoard events written below
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=os.path.basename(run_dir),
+                       sync_tensorboard=True, config=vars(args), dir=run_dir, save_code=True)
         writer = SummaryWriter(run_dir)
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
 

@@ -1,14 +1,19 @@
 """Step time of grpo.py against TRL's GRPOTrainer on the same model, batch, lengths and loss, back to back.
 
     pip install -r benchmarks/requirements.txt
-    python benchmarks/bench_step.py                  # CPU: a small random Qwen2, writes benchmarks/results/step_cpu.md
+    python benchmarks/bench_step.py                  # CPU: a small random Qwen2; writes benchmarks/results/step_*.md
+    OMP_NUM_THREADS=1 python benchmarks/bench_step.py --hidden 64 --layers 2 --new-tokens 16 --rounds 3  # toy-sized
+    python benchmarks/bench_step.py --baseline /tmp/old/grpo.py   # also an older checkout (git archive), same flags
 
 Both sides: the same randomly initialised Qwen2 (built here, --hidden/--layers), the toy a+b prompts,
 G = --group-size completions for --prompts prompts per step, at most --new-tokens new tokens per completion
 (the random model rarely samples EOS, so most completions use the whole budget on both sides), Hugging Face
 generate, GRPO's per-sequence loss (TRL loss_type="grpo"), beta = --beta, one update per
-rollout, lr 1e-6, fp32, gradient checkpointing off unless --gradient-checkpointing (TRL defaults it on). Reported: median seconds per training step over the steps after --warmup, and our
-per-phase breakdown from metrics.jsonl.
+rollout, lr 1e-6, fp32, gradient checkpointing off unless --gradient-checkpointing (TRL defaults it on). grpo.py runs
+at its own defaults otherwise (token-budget micro-batches) unless --micro-batch sets --micro-batch-size. Reported:
+median seconds per training step over the steps after --warmup (per round, and the median over rounds), and our
+per-phase breakdown from metrics.jsonl. With --rounds the sides alternate, so that load on a shared machine hits all
+of them; OMP_NUM_THREADS=1 keeps torch's threads from spinning against other processes there.
 """
 
 from __future__ import annotations
@@ -42,15 +47,16 @@ def build_model(root: str, hidden: int, layers: int) -> str:
     return out
 
 
-def ours(model: str, data: str, a) -> tuple[float, dict]:
+def ours(model: str, data: str, a, script: str = os.path.join(ROOT, "grpo.py")) -> tuple[float, dict]:
     out = tempfile.mkdtemp()
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model-name-or-path", model, "--dataset-name", data,
+    cmd = [sys.executable, script, "--model-name-or-path", model, "--dataset-name", data,
            "--prompt-column", "question", "--answer-column", "answer", "--prompt-template", "none",
            "--group-size", str(a.group_size), "--prompts-per-step", str(a.prompts), "--max-new-tokens", str(a.new_tokens),
-           "--learning-rate", "1e-6", "--beta", str(a.beta), "--micro-batch-size", str(a.micro_batch),
+           "--learning-rate", "1e-6", "--beta", str(a.beta),
            "--total-steps", str(a.steps), "--sampler", "hf", "--output-dir", out, "--save-every", "0", "--log-samples-every", "0"]
     cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd += ["--micro-batch-size", str(a.micro_batch)] * (a.micro_batch > 0)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(script))}
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     (run,) = os.listdir(out)
     rows = [json.loads(line) for line in open(os.path.join(out, run, "metrics.jsonl"))][a.warmup :]
@@ -101,31 +107,44 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=0, help="grpo.py --micro-batch-size (0: grpo.py's default)")
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's default is on, ours off)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times")
+    p.add_argument("--baseline", help="another checkout's grpo.py, run the same way (e.g. the code before a change)")
     a = p.parse_args()
     from tests.toy import write_dataset
 
     root = tempfile.mkdtemp()
     model = build_model(root, a.hidden, a.layers)
     data = write_dataset(os.path.join(root, "train.jsonl"), n=512)
-    ours_s, phases = ours(model, data, a)
-    trl_s = trl(model, data, a)
+    rows, phases = [], {}
+    for _ in range(a.rounds):
+        ours_s, phases = ours(model, data, a)
+        row = [ours_s, trl(model, data, a)]
+        rows.append(row + ([ours(model, data, a, a.baseline)[0]] if a.baseline else []))
+        print(rows[-1], flush=True)
     import torch
     import trl as trl_pkg
 
+    med = [statistics.median(r[k] for r in rows) for k in range(len(rows[0]))]
+    head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline | baseline / TRL |" if a.baseline else "")
     lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
              f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
-             f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides)",
-             "", "| | grpo.py | TRL GRPOTrainer | ours / TRL |", "|---|---|---|---|",
-             f"| median s/step | {ours_s:.3f} | {trl_s:.3f} | {ours_s / trl_s:.2f} |", "",
-             "grpo.py phases (median s): " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")]
+             f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
+             f"grpo.py micro-batches: {f'--micro-batch-size {a.micro_batch}' if a.micro_batch else 'its defaults'}",
+             "", head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in [*((f"round {k + 1}", r) for k, r in enumerate(rows)), ("**median s/step**", med)]:
+        extra = f" {r[2]:.3f} | {r[2] / r[1]:.2f} |" if a.baseline else ""
+        lines.append(f"| {name} | {r[0]:.3f} | {r[1]:.3f} | {r[0] / r[1]:.2f} |" + extra)
+    shown = ", ".join(f"{k[5:]} {v:.3f}" for k, v in phases.items() if k != "time/tokens_per_s")
+    lines += ["", "grpo.py phases, last round (median s): " + shown]
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"step_cpu{'_gc' if a.gradient_checkpointing else ''}.md"), "w") as f:
+    name = f"step_cpu_h{a.hidden}x{a.layers}_{a.new_tokens}tok{'_gc' if a.gradient_checkpointing else ''}.md"
+    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
         f.write(table + "\n")
     print(table)
 

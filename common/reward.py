@@ -8,7 +8,8 @@ with no answer in the required format is a format error and scores 0. An answer 
 holding lone surrogates scores 0 as an error without being parsed; one equal to the gold string scores 1
 without math-verify. Nothing is ever `eval`-ed.
 
-Parsing (gold cached once per worker) and `verify` run in `NUM_WORKERS` worker processes. A worker is
+Parsing (gold cached once per worker) and `verify` run in worker processes, by default as many as the cores
+this process may use divided among the node's local ranks (`default_workers`; `set_workers` overrides). A worker is
 `python -c` running this very file: not a fork of the trainer (no torch, CUDA or NCCL state) and, unlike a
 'spawn' multiprocessing child, it never re-imports the training script; it imports only math-verify. Each
 worker caps its address space and CPU time and arms a SIGALRM timer per item (math-verify's own signal
@@ -18,6 +19,13 @@ no signal handler runs, e.g. big-integer arithmetic) is killed; the item it was 
 rest of its chunk is queued again and a fresh worker takes its place, so one bad item never zeroes its
 neighbours and later calls still work. The pool starts on first use, is reused, is re-created in a forked
 child and is killed at exit.
+
+Integer answers (a predicted and a gold answer that are both integers of at most 30 digits) never reach
+math-verify: its verdict on two integers is integer equality (its string, numeric and symbolic checks all reduce
+to it; tests/test_reward_workers.py compares), so they are decided in the calling process, in microseconds and
+without the round trip to a worker. Most math answers (AIME, GSM8K, much of MATH) are integers. With
+`set_workers(0)` every other item is scored by math-verify in the calling process, bounded in time by the same
+SIGALRM timer (main thread only; elsewhere one worker is used) but not in memory.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from collections import deque
 from typing import Any
 
 MAX_ANSWER_CHARS = 1000  # longer extracted answers score 0 (counted as errors) without parsing
-NUM_WORKERS = min(2, os.cpu_count() or 1)
+NUM_WORKERS = -1  # -1: default_workers(); 0: score in the calling process; set by set_workers (--reward-workers)
 MEMORY_LIMIT_BYTES = 4 << 30  # RLIMIT_AS of each worker
 _CHUNK = 32  # max items per message to a worker
 _GRACE_S = 1.0  # extra wall time before the parent kills a worker (its own alarm fires at timeout_s)
@@ -55,6 +63,7 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the R1 templat
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # verl math_dapo's answer_pattern (is_correct_minerva)
 _DAPO_TAIL = 300  # math_dapo reads only the last 300 characters ("the longest answer in MATH-500 has 159")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_INTEGER = re.compile(r"-?\d{1,30}")  # decided without math-verify (see the module docstring)
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-tag")
@@ -319,15 +328,57 @@ _POOL: _Pool | None = None
 _LOCK = threading.Lock()
 
 
+def default_workers() -> int:
+    """The cores this process may use (its CPU affinity) divided among the node's local ranks (LOCAL_WORLD_SIZE,
+    set by torchrun / accelerate launch), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def set_workers(n: int) -> None:
+    """Score with `n` worker processes from now on; -1: `default_workers()`; 0: in the calling process."""
+    global NUM_WORKERS
+    if n < -1:
+        raise ValueError(f"set_workers: n must be >= -1, got {n}")
+    NUM_WORKERS = n
+
+
+def _run_here(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
+    """Scores tasks in this process, each under a SIGALRM timer (main thread only: signals go there)."""
+    log = logging.getLogger("math_verify")  # its "timeout is disabled" warnings: our timer is the timeout
+    previous, level = signal.signal(signal.SIGALRM, _on_alarm), log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {i: _score_item(pred, gold, timeout_s) for i, pred, gold in tasks}
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        log.setLevel(level)
+
+
 def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
     global _POOL
+    workers = default_workers() if NUM_WORKERS < 0 else NUM_WORKERS
+    results: dict[int, tuple[float, str]] = {}
+    for i, pred, gold in tasks:  # two integers: math-verify's verdict is integer equality (a gold alone parses)
+        if _INTEGER.fullmatch(pred or "0") and _INTEGER.fullmatch(gold_text := _gold_text(gold)):
+            results[i] = (float(pred is None or int(pred) == int(gold_text)), "ok")
+    tasks = [t for t in tasks if t[0] not in results]
+    if workers == 0 and threading.current_thread() is threading.main_thread():  # SIGALRM reaches the main thread only
+        results.update(_run_here(tasks, timeout_s))
+        tasks = []
     if not tasks:
-        return {}
+        return results
     with _LOCK:
-        if _POOL is None or _POOL.pid != os.getpid():  # a forked child must not share its parent's pipes
-            _POOL = _Pool(NUM_WORKERS)
+        if _POOL is not None and (_POOL.pid != os.getpid() or len(_POOL.workers) != max(1, workers)):
+            if _POOL.pid == os.getpid():  # resized: a forked child must not touch its parent's workers
+                _POOL.close()
+            _POOL = None
+        if _POOL is None:  # a forked child must not share its parent's pipes
+            _POOL = _Pool(max(1, workers))
         try:
-            return _POOL.run(tasks, timeout_s)
+            return {**results, **_POOL.run(tasks, timeout_s)}
         except BaseException:  # e.g. Ctrl-C mid-batch: late answers must not leak into the next call
             _POOL.close()
             _POOL = None

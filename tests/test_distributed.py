@@ -1,10 +1,12 @@
 """Token normalisation across micro-batches and ranks: a script's update on a fixed rollout gives the same
-gradient with 1 process x 1 micro-batch, 1 process x k micro-batches, 2 processes (torchrun, gloo), 2 processes with
-micro-batches packed by tokens, and DeepSpeed ZeRO-3 on 2 processes."""
+gradient with 1 process x 1 micro-batch, 1 process x k row micro-batches, 2 processes (torchrun, gloo) with the
+default token-budget micro-batches capped at k rows, 2 processes with micro-batches packed by a small token budget,
+and DeepSpeed ZeRO-3 on 2 processes."""
 
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import os
 import socket
@@ -50,8 +52,8 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, toy_assets, tmp_path):
     whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1)
-    micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1)
-    dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2)
+    micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1, micro_batch_tokens=0)  # rows, in the given order
+    dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2)  # the default token budget, at most 3 rows each
     packed = run_worker(script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20)  # by tokens, longest first
     assert whole["world_size"] == 1 and dist["world_size"] == 2 and packed["world_size"] == 2
     norm = sum(g.norm() ** 2 for g in whole["grad"].values()) ** 0.5
@@ -60,6 +62,30 @@ def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, toy_asset
         torch.testing.assert_close(micro["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"micro-batches: {k}")
         torch.testing.assert_close(dist["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks: {k}")
         torch.testing.assert_close(packed["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks, token budget: {k}")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_cap(script):
+    """The plan update_policy follows: token budget (longest completion first) capped at --micro-batch-size rows, or
+    exactly --micro-batch-size rows in order with --micro-batch-tokens 0; a row over the budget goes alone."""
+    mod = importlib.import_module(script)
+    assert mod.Args().micro_batch_tokens > 0  # token budgets are the default
+    g = torch.Generator().manual_seed(0)
+    prompts, completions = torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g)
+    lens = [(int(p), int(c)) for p, c in zip(prompts, completions)]
+    rows = torch.randperm(200, generator=g).tolist()[:150]
+    for tokens, cap in [(1000, 256), (1000, 3), (8192, 256), (200, 256), (0, 7)]:
+        plan = mod.micro_batches(rows, lens, mod.Args(micro_batch_tokens=tokens, micro_batch_size=cap))
+        assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
+        for group, p_w, c_w in plan:
+            assert (p_w, c_w) == (max(lens[r][0] for r in group), max(lens[r][1] for r in group))
+            assert len(group) <= cap and (tokens == 0 or len(group) == 1 or len(group) * (p_w + c_w) <= tokens)
+        if tokens == 0:
+            assert [r for group, _, _ in plan for r in group] == rows and all(len(gr) == cap for gr, _, _ in plan[:-1])
+        else:
+            firsts = [lens[group[0]][1] for group, _, _ in plan]
+            assert firsts == sorted(firsts, reverse=True)  # longest first
+            assert len(plan) > 1 and (cap > 3 or max(len(gr) for gr, _, _ in plan) == 3)  # the cap binds when small
 
 
 @pytest.mark.slow
