@@ -68,23 +68,26 @@ class PromptTracker:
         return np.maximum(self.len_sq / np.maximum(self.samples, 1.0) - self.length_mean() ** 2, 0.0)
 
     def load_prior(self, path: str, keys: list[str]) -> int:
-        """Counts from a tools/profile_data.py file, matched to prompts by their decoded `prompt` text: a row of
-        K samples at pass rate p counts as K samples of which p K were correct. Returns the rows matched."""
-        where = {k: i for i, k in enumerate(keys)}
+        """Counts from a tools/profile_data.py file: a row of K samples at pass rate p counts as K samples of which
+        p K were correct. A row goes to its `index` when that training prompt decodes to its `prompt` text (same data
+        and template), else to every training prompt with that text. Returns the rows matched."""
+        where: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            where.setdefault(k, []).append(i)
         matched = 0
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
-                i = where.get(row.get("prompt"))
-                if i is None:
-                    continue
+                i = row.get("index")
+                targets = [i] if isinstance(i, int) and 0 <= i < len(keys) and keys[i] == row.get("prompt") else where.get(row.get("prompt"), [])
                 k = float(row.get("samples", 1))
                 mean, std = float(row.get("length_mean", 0.0)), float(row.get("length_std", 0.0))
-                self.samples[i] += k
-                self.correct[i] += float(row["pass_rate"]) * k
-                self.len_sum[i] += mean * k
-                self.len_sq[i] += (std * std + mean * mean) * k
-                matched += 1
+                for i in targets:
+                    self.samples[i] += k
+                    self.correct[i] += float(row["pass_rate"]) * k
+                    self.len_sum[i] += mean * k
+                    self.len_sq[i] += (std * std + mean * mean) * k
+                matched += bool(targets)
         return matched
 
     def state_dict(self) -> dict[str, list[float]]:

@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -221,25 +222,27 @@ def test_buffer_keeps_the_newest_size_groups():
 
 @pytest.mark.slow
 def test_resume_with_a_full_replay_buffer_equals_an_uninterrupted_run(toy_assets, tmp_path):
-    """16 prompts, 8 per step: prompts come back every 2 steps, so hard ones get solved and groups get replayed."""
+    """16 prompts, 8 per step: prompts come back every 2 steps, so hard ones get solved (into the buffer) and groups
+    without signal get replayed (curriculum draws, 8 steps). The run is cut back to its step-6 checkpoint (as a kill
+    after that save leaves it) and resumed: steps 6-7 and the final tracker and buffers are the uninterrupted run's."""
     rows = [json.loads(line) for line in open(toy_assets["train"])][:16]
     train = tmp_path / "train16.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assets = {**toy_assets, "train": str(train)}
-    extra = {"replay": "True", "replay-buffer-size": 2, "prompt-sampling": "medium", "log-samples-every": 0}
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_script("grpo", toy_flags(assets, str(full), 8, **extra) + ["--save-every", "4"])
-    run_script("grpo", toy_flags(assets, str(part), 4, **extra))
-    (part_dir,) = glob.glob(os.path.join(part, "*__*"))
-    assert len(trainer_state(part_dir, 4)["data"]["buffers"][0]["groups"]) == 2  # the buffer is full at the checkpoint
-    run_script("grpo", toy_flags(assets, str(part), 8, **extra) + ["--resume", part_dir])
-    (full_dir,) = glob.glob(os.path.join(full, "*__*"))
-    a, b = read_metrics(full_dir), read_metrics(part_dir)
-    assert [r["step"] for r in b] == list(range(8)) and sum(r["data/replayed"] for r in a[4:]) > 0
-    for x, y in zip(a, b):
+    flags = toy_flags({**toy_assets, "train": str(train)}, str(tmp_path / "full"), 8,
+                      **{"replay-buffer-size": 2, "prompt-sampling": "curriculum", "log-samples-every": 0, "save-every": 6}) + ["--replay"]
+    run_script("grpo", flags)
+    (full_dir,) = glob.glob(os.path.join(tmp_path, "full", "*__*"))
+    cut_dir = str(tmp_path / "cut")
+    shutil.copytree(full_dir, cut_dir)
+    shutil.rmtree(os.path.join(cut_dir, "checkpoints", "step_8"))
+    assert len(trainer_state(cut_dir, 6)["data"]["buffers"][0]["groups"]) == 2  # the buffer is full at the checkpoint
+    run_script("grpo", flags + ["--resume", cut_dir])
+    a, b = read_metrics(full_dir), read_metrics(cut_dir)
+    assert [r["step"] for r in b] == list(range(8)) and sum(r["data/replayed"] for r in a[6:]) > 0
+    for x, y in zip(a[6:], b[6:]):
         for k in ("data/prompt_pass_rate_mean", "data/replayed", "data/replay_buffer_size", "train/reward_mean", "train/grad_norm"):
             assert x[k] == pytest.approx(y[k], abs=1e-6), (x["step"], k)
-    assert trainer_state(full_dir, 8)["data"] == trainer_state(part_dir, 8)["data"]
+    assert trainer_state(full_dir, 8)["data"] == trainer_state(cut_dir, 8)["data"]
 
 
 STRICT_DRIVER = (  # the script with a strict verifier: no \\boxed{...}, no reward (issue 12's test task)
@@ -255,11 +258,11 @@ STRICT_DRIVER = (  # the script with a strict verifier: no \\boxed{...}, no rewa
 )
 
 
-def strict_run(assets, out, steps, **extra) -> list[dict]:
+def strict_run(assets, out, steps, *switches: str) -> list[dict]:
     flags = toy_flags(assets, str(out), steps, **{"max-new-tokens": 12, "learning-rate": 5e-3, "beta": 0, "log-samples-every": 0,
                                                  "eval-every": steps, "eval-datasets": assets["test"], "eval-prompt-column": "question",
                                                  "eval-answer-column": "answer", "eval-limit": 32, "eval-samples": 4, "eval-temperature": 1.0,
-                                                 "eval-max-new-tokens": 12, **extra})
+                                                 "eval-max-new-tokens": 12}) + list(switches)
     proc = subprocess.run([sys.executable, "-c", STRICT_DRIVER, os.path.join(ROOT, "grpo.py"), *flags], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -272,12 +275,13 @@ def test_ground_truth_injection_learns_a_format_the_model_never_samples(toy_asse
     """Easy sums scored only inside \\boxed{}: the random model never writes it, so plain GRPO has no signal and its
     accuracy is exactly 0; with --gt-injection and the demonstration "The answer is \\boxed{s}." it learns the format
     (then one digit in ~9 is right by chance, more as it learns the sums). Threshold: over seeds 1-4, 40 steps gave
-    eval avg@4 in [0.06, 0.13] and pass@4 in [0.19, 0.41] (README "Data strategies"); we ask pass@4 >= 0.05."""
-    without = strict_run(toy_assets, tmp_path / "plain", 40)
+    eval avg@4 0.086-0.117 and pass@4 0.28-0.44 (README "Data strategies"); we ask pass@4 >= 0.1. Without injection
+    no step has a signal, so nothing is updated: 10 steps show it as well as 40."""
+    without = strict_run(toy_assets, tmp_path / "plain", 10)
     assert all(r["train/accuracy"] == 0 and r["train/no_signal"] == 1 for r in without) and without[-1]["eval/test/avg@4"] == 0
-    with_gt = strict_run(toy_assets, tmp_path / "gt", 40, **{"gt-injection": "True"})
+    with_gt = strict_run(toy_assets, tmp_path / "gt", 40, "--gt-injection")
     assert sum(r["data/gt_injected"] for r in with_gt) > 0
-    assert with_gt[-1]["eval/test/pass@4"] >= 0.05 and with_gt[-1]["eval/test/avg@4"] > 0
+    assert with_gt[-1]["eval/test/pass@4"] >= 0.1 and with_gt[-1]["eval/test/avg@4"] > 0
 
 
 @pytest.mark.slow
