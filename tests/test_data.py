@@ -319,3 +319,27 @@ def test_the_analysis_of_answers_without_reasoning():
     assert answers_without_reasoning("\\boxed{7}") and answers_without_reasoning("The answer is \\boxed{\\frac{1}{2}}.")
     assert not answers_without_reasoning("First add three and four to get seven, so \\boxed{7}.")
     assert not answers_without_reasoning("no final answer here at all")
+
+
+# 5. Bad input -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script,kw,flag", [
+    ("grpo", {"replay": True, "replay_buffer_size": 0}, "--replay-buffer-size"),
+    ("grpo", {"difficulty_file": "/nonexistent/profile.jsonl"}, "--difficulty-file"),
+    ("grpo", {"solution_column": "solution"}, "--solution-column"),
+    ("grpo", {"gt_injection": True, "solution_column": "nope"}, "--solution-column"),
+    ("dapo", {"gt_injection": True}, "--no-dynamic-sampling"),
+    ("cispo", {"replay": True}, "--no-dynamic-sampling"),
+])
+def test_bad_data_strategy_flags_stop_with_one_line_naming_the_flag(script, kw, flag, toy_assets, tmp_path):
+    import importlib
+
+    mod = importlib.import_module(script)
+    args = mod.Args(model_name_or_path=toy_assets["model"], dataset_name=toy_assets["train"], prompt_column="question", answer_column="answer",
+                    prompt_template="none", max_prompt_tokens=32, sampler="hf", output_dir=str(tmp_path / "out"), **kw)
+    with pytest.raises(SystemExit) as e:
+        mod.main(args)
+    msg = e.value.code
+    assert isinstance(msg, str) and "\n" not in msg.strip() and flag in msg, msg
+    assert not os.path.exists(tmp_path / "out")  # nothing written
