@@ -54,7 +54,8 @@ import numpy as np
 import torch
 import tyro
 
-from common.data import check_args, data_metrics, data_state, draw_prompts, finish_batch, init_data, inject_and_replay, load_data_state, load_solutions
+from common.data import (check_args, data_metrics, data_state, draw_prompts, finish_batch, init_data, inject_and_replay,
+                         load_data_state, load_solutions)
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
 from common.reward import extract_final_answer, find_unparseable_gold, score
@@ -123,14 +124,15 @@ class Args:
 
     # Data strategies (README "Data strategies", SPEC §11): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
-    """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
-    around a target going from 1 to 0 over the run; medium: a Gaussian of it with mean 0.5, std 0.1"""
+    """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass
+    rate around a target going from 1 to 0 over the run; medium: a Gaussian of it with mean 0.5, std 0.1"""
     difficulty_file: str | None = None
     """tools/profile_data.py output: its per-prompt pass rates and lengths seed the tracker (the prior)"""
     gt_injection: bool = False
     """an all-wrong group's last completion is replaced by a verified demonstration (trained as if sampled)"""
     solution_column: str | None = None
-    """dataset column with worked solutions for --gt-injection (default: the reference answer in the template's format)"""
+    """dataset column with worked solutions for --gt-injection (default: the reference answer in the template's
+    answer format)"""
     replay: bool = False
     """a group with no signal is replaced by the newest buffered high-value group, with its stored old log-probs"""
     replay_buffer_size: int = 64
@@ -362,14 +364,17 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None, tracker=None, progress: float | None = None) -> list[int]:
+def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None,
+                 tracker=None, progress: float | None = None) -> list[int]:
     """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
     The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
-    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default step / total)."""
+    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
+    --total-steps)."""
     count = args.prompts_per_step // world if count is None else count
     if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
         progress = step / max(args.total_steps, 1) if progress is None else progress
-        return draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)[rank * count : (rank + 1) * count]
+        drawn = draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)
+        return drawn[rank * count : (rank + 1) * count]
     start = (step * world + rank) * count
     return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
 
@@ -511,8 +516,9 @@ def main(args: Args) -> None:
     if args.vllm_enable_sleep_mode and args.sampler == "hf":
         raise SystemExit("--vllm-enable-sleep-mode needs --sampler vllm (or auto with vLLM available)")
     check_args(args)
-    if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling drops what they would change
-        raise SystemExit("--gt-injection and --replay act on groups without signal, which --dynamic-sampling drops and regenerates: add --no-dynamic-sampling")
+    if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: it drops what they would change
+        raise SystemExit("--gt-injection and --replay act on groups without signal, which --dynamic-sampling drops and "
+                         "regenerates: add --no-dynamic-sampling")
     if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.eps_max <= 0 or args.is_eps_high <= 0:
         raise SystemExit("--max-gen-batches must be >= 1, --gen-prompts-per-round >= 0, --eps-max and --is-eps-high > 0")
     gen_prompts = args.gen_prompts_per_round or args.prompts_per_step
@@ -538,7 +544,8 @@ def main(args: Args) -> None:
     if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
         questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
         train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
-        data = init_data(args, questions, load_solutions(load_rows, args), train_prompts, tokenizer, format_prompt)  # DATA: tracker, replay buffer
+        solutions = load_solutions(load_rows, args)  # DATA: --solution-column, then the tracker and replay buffer
+        data = init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt)
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:
@@ -628,7 +635,8 @@ def main(args: Args) -> None:
             accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
-                json.dump({"step": step, "sampler": samplers, "data_round": data_round, "data": data_state(data, buffers)}, f)
+                json.dump({"step": step, "sampler": samplers, "data_round": data_round,
+                           "data": data_state(data, buffers)}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old in complete_checkpoints(run_dir)[: -args.keep_checkpoints]:
@@ -660,7 +668,8 @@ def main(args: Args) -> None:
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
         for gen_round in range(args.max_gen_batches):
-            idx = step_indices(data_round, len(train_prompts), args, rank, world, count=gen_prompts // world, tracker=data.tracker, progress=step / args.total_steps)
+            idx = step_indices(data_round, len(train_prompts), args, rank, world, count=gen_prompts // world,
+                               tracker=data.tracker, progress=step / args.total_steps)
             data_round += 1
             t1 = time.time()
             outs = sampler.generate([train_prompts[i] for i in idx], args.group_size, args.temperature, args.top_p, args.max_new_tokens)
@@ -669,7 +678,8 @@ def main(args: Args) -> None:
             t_gen, t_reward = t_gen + t2 - t1, t_reward + time.time() - t2
             keep = filter_groups(torch.tensor(round_correct), args.group_size) if args.dynamic_sampling else torch.ones(len(idx), dtype=torch.bool)
             kept += [len(prompts) + k for k in keep.nonzero().flatten().tolist()]
-            prompts, rows, completions, correct = prompts + [train_prompts[i] for i in idx], rows + idx, completions + outs, correct + round_correct
+            prompts, completions, correct = prompts + [train_prompts[i] for i in idx], completions + outs, correct + round_correct
+            rows += idx  # DATA: the prompt index of every generated group
             reward_info = {k: reward_info.get(k, 0) + v for k, v in info.items()}
             num_kept = int(accelerator.gather(torch.tensor([len(kept)], device=device)).min().item())
             if num_kept >= share:
@@ -689,29 +699,33 @@ def main(args: Args) -> None:
         advantages = compute_advantages(rewards, args)
         # DATA: --gt-injection and --replay change the groups trained on (then their advantages); correct, lengths,
         # rewards and texts stay the policy's own samples, which the tracker and the metrics describe
-        train = inject_and_replay(data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows], tokenizer, args)
-        data.tracker.update(*(accelerator.gather(torch.tensor(x, device=device)).tolist() for x in (rows, correct.tolist(), lengths.tolist())), args.group_size)
+        train = inject_and_replay(data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows],
+                                  tokenizer, args)
+        data.tracker.update(*(accelerator.gather(torch.tensor(x, device=device)).tolist()
+                              for x in (rows, correct.tolist(), lengths.tolist())), args.group_size)
         if train.changed:
             advantages = compute_advantages(compute_rewards(*train.tensors(device), args), args)
+        completions = train.completions  # what is trained on, for the prompts train.prompts
         # ALGO LOGIC: the training batch is the kept groups. With none after the last round, one group with A = 0
         # stands in and the update is skipped (train/no_signal = 1, train/train_groups = 0). At the cap with fewer
         # groups, mini-batches keep at least their full-batch size (fewer optimizer steps).
         sel = [k * args.group_size + j for k in (kept or [0]) for j in range(args.group_size)]
-        advantages, train_completions = advantages[sel] * float(bool(kept)), [train.completions[i] for i in sel]
+        advantages, train_completions = advantages[sel] * float(bool(kept)), [completions[i] for i in sel]
         mb_size = share * args.group_size // args.num_mini_batches
         mb_args = replace(args, num_mini_batches=max(d for d in range(1, max(1, len(sel) // mb_size) + 1) if len(sel) % d == 0))
 
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
-        ids, attn, mask, p_len = pad_batch([train.prompts[i // args.group_size] for i in sel], [c.token_ids for c in train_completions], pad_id)
+        ids, attn, mask, p_len = pad_batch([train.prompts[i // args.group_size] for i in sel],
+                                           [c.token_ids for c in train_completions], pad_id)
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
                  "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
         if all(c.logprobs is not None for c in train_completions):  # the sampler's own log-probs, for the canary only
             batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in train_completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
-            if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # several updates per rollout (or replay): freeze pi_old once
+            if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
                 batch["old_logps"] = compute_logps(policy, batch, args)
-            finish_batch(data, train, batch, args)  # DATA: replayed rows' stored log-probs; high-value groups into the buffer
+            finish_batch(data, train, batch, args)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args)
         t_old = time.time() - t0 - t_gen - t_reward
@@ -748,7 +762,8 @@ def main(args: Args) -> None:
             "train/groups_all_correct": (group_acc == 1).float().mean().item(),
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
-            **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()},
+            **{f"train/{k}": v
+               for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()},
             **data_metrics(train, data, accelerator),
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),

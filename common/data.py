@@ -79,7 +79,8 @@ class PromptTracker:
             for line in f:
                 row = json.loads(line)
                 i = row.get("index")
-                targets = [i] if isinstance(i, int) and 0 <= i < len(keys) and keys[i] == row.get("prompt") else where.get(row.get("prompt"), [])
+                same = isinstance(i, int) and 0 <= i < len(keys) and keys[i] == row.get("prompt")
+                targets = [i] if same else where.get(row.get("prompt"), [])
                 k = float(row.get("samples", 1))
                 mean, std = float(row.get("length_mean", 0.0)), float(row.get("length_std", 0.0))
                 for i in targets:
@@ -149,7 +150,8 @@ def load_solutions(load_rows, args) -> list[str]:
     if not args.solution_column:
         return []
     try:
-        return load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.solution_column, "--solution-column")[1]
+        return load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column,
+                         args.solution_column, "--solution-column")[1]
     except SystemExit as e:
         raise SystemExit(str(e).replace("--answer-column", "--solution-column")) from None
 
@@ -179,11 +181,13 @@ def init_data(args, questions, solutions, train_prompts, tokenizer, format_promp
     tracker = PromptTracker(len(train_prompts))
     if args.difficulty_file:
         if not tracker.load_prior(args.difficulty_file, [tokenizer.decode(p) for p in train_prompts]):
-            raise SystemExit(f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name (same --prompt-template?)")
+            raise SystemExit(f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name "
+                             "(same --prompt-template?)")
     by_ids = {}
     if solutions:  # training rows are what encode_prompts kept: match them by their prompt tokens
-        encode = lambda q: tuple(tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids)  # noqa: E731
-        by_ids = {encode(q): s for q, s in zip(questions, solutions)}
+        for q, s in zip(questions, solutions):
+            text = format_prompt(q, args.prompt_template, tokenizer)
+            by_ids[tuple(tokenizer(text, add_special_tokens=False).input_ids)] = s
     sols = {i: by_ids[tuple(p)] for i, p in enumerate(train_prompts) if tuple(p) in by_ids}
     return DataStrategies(tracker, ReplayBuffer(max(args.replay_buffer_size, 1)), sols)
 
@@ -221,7 +225,8 @@ class TrainGroups:
 
     def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(correct, lengths, truncated) of the trained completions, for compute_rewards."""
-        return (torch.tensor(self.correct, device=device), torch.tensor([len(c.token_ids) for c in self.completions], device=device),
+        return (torch.tensor(self.correct, device=device),
+                torch.tensor([len(c.token_ids) for c in self.completions], device=device),
                 torch.tensor([c.truncated for c in self.completions], device=device))
 
 
@@ -231,7 +236,8 @@ def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct,
     --replay: a group whose rewards are all equal (all correct, or all wrong and not injected) is replaced by
     the buffer's newest group. The inputs are not modified (they stay the policy's own samples)."""
     g, est = args.group_size, data.tracker.pass_rate()
-    out = TrainGroups(list(prompts), list(completions), list(correct), {}, [True] * len(rows), [False] * len(rows), [float(est[r]) for r in rows])
+    out = TrainGroups(list(prompts), list(completions), list(correct), {}, [True] * len(rows), [False] * len(rows),
+                      [float(est[r]) for r in rows])
     for k, row in enumerate(rows):
         group = out.correct[k * g : (k + 1) * g]
         if args.gt_injection and max(group) == 0 and (demo := _demo(data, row, golds[k], tokenizer, args)) is not None:
@@ -239,8 +245,10 @@ def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct,
             out.injected[k] = True
         elif args.replay and min(group) == max(group) and (old := data.buffer.pop()) is not None:
             out.prompts[k], out.fresh[k] = old["prompt"], False
-            for j, (ids, text, trunc, c, lp) in enumerate(zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])):
-                out.completions[k * g + j], out.correct[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc), c
+            stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])
+            for j, (ids, text, trunc, c, lp) in enumerate(stored):
+                out.completions[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc)
+                out.correct[k * g + j] = c
                 out.stored_logps[k * g + j] = lp
             out.replayed += 1
     return out
@@ -262,15 +270,16 @@ def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict, args) ->
         if train.fresh[k] and 0 < sum(c) < g and (hard or easy or train.injected[k]):
             comps = train.completions[k * g : (k + 1) * g]
             logps = old[k * g : (k + 1) * g].tolist()
-            data.buffer.push({"prompt": list(prompt), "token_ids": [list(x.token_ids) for x in comps], "texts": [x.text for x in comps],
-                              "truncated": [bool(x.truncated) for x in comps], "correct": [float(x) for x in c],
+            data.buffer.push({"prompt": list(prompt), "token_ids": [list(x.token_ids) for x in comps],
+                              "texts": [x.text for x in comps], "truncated": [bool(x.truncated) for x in comps],
+                              "correct": [float(x) for x in c],
                               "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)]})
 
 
 def data_metrics(train: TrainGroups, data: DataStrategies, accelerator) -> dict[str, float]:
     """data/* metrics, summed (counts) or averaged (pass rate) over ranks."""
-    t = torch.tensor([sum(train.pass_rate), len(train.pass_rate), sum(train.injected), train.replayed, len(data.buffer.groups)],
-                     dtype=torch.float64, device=accelerator.device)
+    t = torch.tensor([sum(train.pass_rate), len(train.pass_rate), sum(train.injected), train.replayed,
+                      len(data.buffer.groups)], dtype=torch.float64, device=accelerator.device)
     s = accelerator.reduce(t, "sum").tolist()
     return {"data/prompt_pass_rate_mean": s[0] / max(s[1], 1.0), "data/gt_injected": s[2], "data/replayed": s[3],
             "data/replay_buffer_size": s[4]}

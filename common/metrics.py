@@ -67,7 +67,9 @@ def _mean(xs: Sequence[float]) -> float:
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
-def completion_stats(texts: Sequence[str], correct: Sequence[float], group_size: int, lengths: Sequence[float] | None = None) -> dict[str, float]:
+def completion_stats(
+    texts: Sequence[str], correct: Sequence[float], group_size: int, lengths: Sequence[float] | None = None
+) -> dict[str, float]:
     """Per-step text statistics of a rollout whose groups of `group_size` are contiguous; with `lengths` (tokens
     per completion) also lengths with/without reflection and the accuracy of long (> the mean) and short ones."""
     refl = [has_reflection(t) for t in texts]

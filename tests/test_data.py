@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import grpo
-from common.data import (DataStrategies, PromptTracker, ReplayBuffer, draw_prompts, finish_batch, inject_and_replay,
-                         sampling_weights)
+from common.data import (DataStrategies, PromptTracker, ReplayBuffer, draw_prompts, finish_batch, init_data,
+                         inject_and_replay, sampling_weights)
 from common.sampling import Completion
 from tests.test_distributed import free_port
 from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
@@ -73,14 +73,14 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = glob.glob(os.path.join(tmp_path, "d2__*"))
     metrics = read_metrics(run_dir)
-    tracker = PromptTracker(512)
+    tracker, prev_c, prev_l = PromptTracker(512), 0.0, 0.0
     for step in (0, 1):
         rows = draw_prompts(tracker, "medium", 1, step, p, step / 2)  # both ranks' prompts: rank r takes [2r, 2r + 2)
         expected = tracker.samples + np.bincount(rows, minlength=512) * g
         tracker.load_state_dict(trainer_state(run_dir, step + 1)["data"]["tracker"])
         assert np.array_equal(tracker.samples, expected), step
-        assert tracker.correct.sum() - (0 if step == 0 else prev_c) == pytest.approx(metrics[step]["train/accuracy"] * g * p)
-        assert tracker.len_sum.sum() - (0 if step == 0 else prev_l) == pytest.approx(metrics[step]["train/response_length_mean"] * g * p)
+        assert tracker.correct.sum() - prev_c == pytest.approx(metrics[step]["train/accuracy"] * g * p)
+        assert tracker.len_sum.sum() - prev_l == pytest.approx(metrics[step]["train/response_length_mean"] * g * p)
         prev_c, prev_l = tracker.correct.sum(), tracker.len_sum.sum()
 
 
@@ -164,6 +164,14 @@ def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verif
     assert not inject_and_replay(strategies(3), [0], [[1]], completions[:3], correct[:3], ["8"], WordTokenizer(), short).changed
     wrong = inject_and_replay(strategies(3, solutions={0: "so \\boxed{9}."}), [0], [[1]], completions[:3], correct[:3], ["8"], WordTokenizer(), args)
     assert wrong.completions[2].text == "The answer is \\boxed{8}."  # a solution the verifier rejects is not used
+
+
+def test_solutions_are_matched_to_the_kept_training_rows_by_their_prompt_tokens():
+    args = SimpleNamespace(difficulty_file=None, prompt_template="none", replay_buffer_size=4)
+    questions, solutions = ["1+1=", "too long question", "2+2="], ["s0", "s1", "s2"]
+    train_prompts = [[ord(c) for c in "2+2="], [ord(c) for c in "1+1="]]  # what encode_prompts kept, in its order
+    data = init_data(args, questions, solutions, train_prompts, WordTokenizer(), lambda q, template, tok: q)
+    assert data.solutions == {0: "s2", 1: "s0"} and data.tracker.samples.shape == (2,)
 
 
 def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_probs_give_the_ratio():

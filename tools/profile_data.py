@@ -29,7 +29,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NO_REASONING_WORDS = 5  # a completion with a final answer and fewer words than this around it "answers without reasoning"
+NO_REASONING_WORDS = 5  # a final answer with fewer words than this around it "answers without reasoning"
 _WORDS = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
 
 
@@ -114,11 +114,12 @@ def main(args: Args) -> None:
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}") from None
     tokenizer.padding_side = "left"
-    questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
+    questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column,
+                                   args.answer_column, "--dataset-name")
     prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
-    sampler = make_sampler(args.sampler, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path, seed=args.seed,
-                           max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    sampler = make_sampler(args.sampler, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
+                           seed=args.seed, max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     k, rows = args.samples, []
     for start in range(0, n, args.batch_prompts):
         batch = list(range(start, min(n, start + args.batch_prompts)))
@@ -128,7 +129,8 @@ def main(args: Args) -> None:
             group, c = outs[j * k : (j + 1) * k], correct[j * k : (j + 1) * k]
             lengths = [len(o.token_ids) for o in group]
             rows.append({"index": i, "prompt": tokenizer.decode(prompts[i]), "answer": golds[i], "samples": k,
-                         "pass_rate": float(np.mean(c)), "length_mean": float(np.mean(lengths)), "length_std": float(np.std(lengths)),
+                         "pass_rate": float(np.mean(c)), "length_mean": float(np.mean(lengths)),
+                         "length_std": float(np.std(lengths)),
                          "truncated_frac": float(np.mean([o.truncated for o in group])),
                          "no_reasoning_frac": float(np.mean([answers_without_reasoning(o.text) for o in group]))})
         print(f"profiled {len(rows)}/{n} prompts", flush=True)
