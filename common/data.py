@@ -34,8 +34,12 @@ from common.sampling import Completion
 MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
 REPLAY_HARD, REPLAY_EASY = 0.2, 0.8  # a group is high-value when its prompt's estimate is below / above these
-DEMO_FORMAT = {"none": "The answer is \\boxed{{{a}}}.", "qwen-boxed": "The answer is \\boxed{{{a}}}.",
-               "r1": " The answer is {a}. </think> <answer> {a} </answer>", "dapo": "Answer: {a}"}
+DEMO_FORMAT = {
+    "none": "The answer is \\boxed{{{a}}}.",
+    "qwen-boxed": "The answer is \\boxed{{{a}}}.",
+    "r1": " The answer is {a}. </think> <answer> {a} </answer>",
+    "dapo": "Answer: {a}",
+}
 
 
 class PromptTracker:
@@ -150,8 +154,14 @@ def load_solutions(load_rows, args) -> list[str]:
     if not args.solution_column:
         return []
     try:
-        return load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column,
-                         args.solution_column, "--solution-column")[1]
+        return load_rows(
+            args.dataset_name,
+            args.dataset_config,
+            args.dataset_split,
+            args.prompt_column,
+            args.solution_column,
+            "--solution-column",
+        )[1]
     except SystemExit as e:
         raise SystemExit(str(e).replace("--answer-column", "--solution-column")) from None
 
@@ -181,8 +191,10 @@ def init_data(args, questions, solutions, train_prompts, tokenizer, format_promp
     tracker = PromptTracker(len(train_prompts))
     if args.difficulty_file:
         if not tracker.load_prior(args.difficulty_file, [tokenizer.decode(p) for p in train_prompts]):
-            raise SystemExit(f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name "
-                             "(same --prompt-template?)")
+            raise SystemExit(
+                f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name "
+                "(same --prompt-template?)"
+            )
     by_ids = {}
     if solutions:  # training rows are what encode_prompts kept: match them by their prompt tokens
         for q, s in zip(questions, solutions):
@@ -225,9 +237,11 @@ class TrainGroups:
 
     def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(correct, lengths, truncated) of the trained completions, for compute_rewards."""
-        return (torch.tensor(self.correct, device=device),
-                torch.tensor([len(c.token_ids) for c in self.completions], device=device),
-                torch.tensor([c.truncated for c in self.completions], device=device))
+        return (
+            torch.tensor(self.correct, device=device),
+            torch.tensor([len(c.token_ids) for c in self.completions], device=device),
+            torch.tensor([c.truncated for c in self.completions], device=device),
+        )
 
 
 def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args) -> TrainGroups:
@@ -236,8 +250,15 @@ def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct,
     --replay: a group whose rewards are all equal (all correct, or all wrong and not injected) is replaced by
     the buffer's newest group. The inputs are not modified (they stay the policy's own samples)."""
     g, est = args.group_size, data.tracker.pass_rate()
-    out = TrainGroups(list(prompts), list(completions), list(correct), {}, [True] * len(rows), [False] * len(rows),
-                      [float(est[r]) for r in rows])
+    out = TrainGroups(
+        list(prompts),
+        list(completions),
+        list(correct),
+        {},
+        [True] * len(rows),
+        [False] * len(rows),
+        [float(est[r]) for r in rows],
+    )
     for k, row in enumerate(rows):
         group = out.correct[k * g : (k + 1) * g]
         if args.gt_injection and max(group) == 0 and (demo := _demo(data, row, golds[k], tokenizer, args)) is not None:
@@ -270,19 +291,32 @@ def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict, args) ->
         if train.fresh[k] and 0 < sum(c) < g and (hard or easy or train.injected[k]):
             comps = train.completions[k * g : (k + 1) * g]
             logps = old[k * g : (k + 1) * g].tolist()
-            data.buffer.push({"prompt": list(prompt), "token_ids": [list(x.token_ids) for x in comps],
-                              "texts": [x.text for x in comps], "truncated": [bool(x.truncated) for x in comps],
-                              "correct": [float(x) for x in c],
-                              "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)]})
+            data.buffer.push(
+                {
+                    "prompt": list(prompt),
+                    "token_ids": [list(x.token_ids) for x in comps],
+                    "texts": [x.text for x in comps],
+                    "truncated": [bool(x.truncated) for x in comps],
+                    "correct": [float(x) for x in c],
+                    "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
+                }
+            )
 
 
 def data_metrics(train: TrainGroups, data: DataStrategies, accelerator) -> dict[str, float]:
     """data/* metrics, summed (counts) or averaged (pass rate) over ranks."""
-    t = torch.tensor([sum(train.pass_rate), len(train.pass_rate), sum(train.injected), train.replayed,
-                      len(data.buffer.groups)], dtype=torch.float64, device=accelerator.device)
+    t = torch.tensor(
+        [sum(train.pass_rate), len(train.pass_rate), sum(train.injected), train.replayed, len(data.buffer.groups)],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
     s = accelerator.reduce(t, "sum").tolist()
-    return {"data/prompt_pass_rate_mean": s[0] / max(s[1], 1.0), "data/gt_injected": s[2], "data/replayed": s[3],
-            "data/replay_buffer_size": s[4]}
+    return {
+        "data/prompt_pass_rate_mean": s[0] / max(s[1], 1.0),
+        "data/gt_injected": s[2],
+        "data/replayed": s[3],
+        "data/replay_buffer_size": s[4],
+    }
 
 
 def data_state(data: DataStrategies, buffers: list[dict[str, Any]]) -> dict[str, Any]:

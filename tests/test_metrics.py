@@ -70,8 +70,8 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
 
 
 def test_health_metrics_language_mix_patterns_and_length_splits():
-    texts = ["Wait, 2+2 is 4. Let me check: \\boxed{4}", "答案是 \\frac{1}{2}", "我们 compute 结果 4", "Alternatively, wait... 5",
-             "4", "but but 7"]
+    texts = ["Wait, 2+2 is 4. Let me check: \\boxed{4}", "答案是 \\frac{1}{2}", "我们 compute 结果 4",
+             "Alternatively, wait... 5", "4", "but but 7"]
     correct = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     lengths = [12, 7, 5, 9, 1, 3]  # mean 37/6: long = [12, 7, 9]
     s = completion_stats(texts, correct, 3, lengths)

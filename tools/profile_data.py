@@ -88,11 +88,14 @@ def summary_table(rows: list[dict]) -> str:
     p = np.array([r["pass_rate"] for r in rows])
     lines = ["| statistic | value |", "|-|-|", f"| prompts | {len(rows)} |", f"| mean pass rate | {p.mean():.3f} |"]
     lines += [f"| pass rate p{q} | {np.percentile(p, q):.3f} |" for q in (10, 50, 90)]
-    lines += [f"| all wrong (p = 0) | {(p == 0).mean():.3f} |", f"| all correct (p = 1) | {(p == 1).mean():.3f} |",
-              f"| medium (0.2 <= p <= 0.8) | {((p >= 0.2) & (p <= 0.8)).mean():.3f} |",
-              f"| mean response length | {np.mean([r['length_mean'] for r in rows]):.1f} |",
-              f"| truncated | {np.mean([r['truncated_frac'] for r in rows]):.3f} |",
-              f"| answers without reasoning | {np.mean([r['no_reasoning_frac'] for r in rows]):.3f} |"]
+    lines += [
+        f"| all wrong (p = 0) | {(p == 0).mean():.3f} |",
+        f"| all correct (p = 1) | {(p == 1).mean():.3f} |",
+        f"| medium (0.2 <= p <= 0.8) | {((p >= 0.2) & (p <= 0.8)).mean():.3f} |",
+        f"| mean response length | {np.mean([r['length_mean'] for r in rows]):.1f} |",
+        f"| truncated | {np.mean([r['truncated_frac'] for r in rows]):.3f} |",
+        f"| answers without reasoning | {np.mean([r['no_reasoning_frac'] for r in rows]):.3f} |",
+    ]
     return "\n".join(lines)
 
 
@@ -114,12 +117,24 @@ def main(args: Args) -> None:
     except Exception as e:  # noqa: BLE001
         raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}") from None
     tokenizer.padding_side = "left"
-    questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column,
-                                   args.answer_column, "--dataset-name")
+    questions, answers = load_rows(
+        args.dataset_name,
+        args.dataset_config,
+        args.dataset_split,
+        args.prompt_column,
+        args.answer_column,
+        "--dataset-name",
+    )
     prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
-    sampler = make_sampler(args.sampler, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
-                           seed=args.seed, max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    sampler = make_sampler(
+        args.sampler,
+        model=model,
+        tokenizer=tokenizer,
+        model_name_or_path=args.model_name_or_path,
+        seed=args.seed,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+    )
     k, rows = args.samples, []
     for start in range(0, n, args.batch_prompts):
         batch = list(range(start, min(n, start + args.batch_prompts)))
@@ -128,11 +143,19 @@ def main(args: Args) -> None:
         for j, i in enumerate(batch):
             group, c = outs[j * k : (j + 1) * k], correct[j * k : (j + 1) * k]
             lengths = [len(o.token_ids) for o in group]
-            rows.append({"index": i, "prompt": tokenizer.decode(prompts[i]), "answer": golds[i], "samples": k,
-                         "pass_rate": float(np.mean(c)), "length_mean": float(np.mean(lengths)),
-                         "length_std": float(np.std(lengths)),
-                         "truncated_frac": float(np.mean([o.truncated for o in group])),
-                         "no_reasoning_frac": float(np.mean([answers_without_reasoning(o.text) for o in group]))})
+            rows.append(
+                {
+                    "index": i,
+                    "prompt": tokenizer.decode(prompts[i]),
+                    "answer": golds[i],
+                    "samples": k,
+                    "pass_rate": float(np.mean(c)),
+                    "length_mean": float(np.mean(lengths)),
+                    "length_std": float(np.std(lengths)),
+                    "truncated_frac": float(np.mean([o.truncated for o in group])),
+                    "no_reasoning_frac": float(np.mean([answers_without_reasoning(o.text) for o in group])),
+                }
+            )
         print(f"profiled {len(rows)}/{n} prompts", flush=True)
     with open(args.output, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
