@@ -45,6 +45,8 @@ import numpy as np
 import torch
 import tyro
 
+from common.data import (check_args, data_metrics, data_state, draw_prompts, finish_batch, init_data, inject_and_replay,
+                         load_data_state, load_solutions)
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
 from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score, set_workers
@@ -118,6 +120,22 @@ class Args:
     """tensor parallel size of each vLLM engine; only 1 is supported (each rank samples its own prompts)"""
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
+
+    # Data strategies (README "Data strategies", SPEC §11): all off by default
+    prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
+    """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass
+    rate around a target going from 1 to 0 over the run; medium: a Gaussian of it with mean 0.5, std 0.1"""
+    difficulty_file: str | None = None
+    """tools/profile_data.py output: its per-prompt pass rates and lengths seed the tracker (the prior)"""
+    gt_injection: bool = False
+    """an all-wrong group's last completion is replaced by a verified demonstration (trained as if sampled)"""
+    solution_column: str | None = None
+    """dataset column with worked solutions for --gt-injection (default: the reference answer in the template's
+    answer format)"""
+    replay: bool = False
+    """a group with no signal is replaced by the newest buffered high-value group, with its stored old log-probs"""
+    replay_buffer_size: int = 64
+    """high-value groups each rank keeps for --replay (oldest dropped first)"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -218,7 +236,8 @@ def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=No
         return 1.0, {}
     if rollout_logps is None:
         raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
-    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)) * mask
+    # NaN rollout log-probs mark rows the sampler did not produce this step (injected, replayed): weight 1 there
+    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)).nan_to_num(nan=0.0) * mask
     if args.rollout_correction.startswith("sequence"):
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
     over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
@@ -368,10 +387,17 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None) -> list[int]:
+def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None,
+                 tracker=None, progress: float | None = None) -> list[int]:
     """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
-    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data."""
+    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
+    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
+    --total-steps)."""
     count = args.prompts_per_step // world if count is None else count
+    if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
+        progress = step / max(args.total_steps, 1) if progress is None else progress
+        drawn = draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)
+        return drawn[rank * count : (rank + 1) * count]
     start = (step * world + rank) * count
     return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
 
@@ -473,8 +499,9 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
-                    canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
-                    canary_tokens.append(m["mask"].sum())
+                    sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
+                    canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
+                    canary_tokens.append(sampled.sum())
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():  # means over the rollout; *_min / *_max: extremes over it
                     extreme = {"_min": torch.minimum, "_max": torch.maximum}.get(k[-4:])
@@ -528,6 +555,7 @@ def main(args: Args) -> None:
         raise SystemExit("--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)")
     if args.vllm_tensor_parallel_size != 1:
         raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
+    check_args(args)
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
@@ -554,6 +582,8 @@ def main(args: Args) -> None:
     if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
         questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
         train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+        solutions = load_solutions(load_rows, args)  # DATA: --solution-column, then the tracker and replay buffer
+        data = init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt)
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:
@@ -629,6 +659,7 @@ def main(args: Args) -> None:
             state = json.load(f)
         start_step = state["step"]
         sampler.load_state_dict(state["sampler"][rank])
+        load_data_state(data, state.get("data"), rank)
         sampler.update_weights(accelerator.unwrap_model(policy).lm)
         if accelerator.is_main_process:  # forget what was logged after the checkpoint: it is about to be redone
             for name in ("metrics.jsonl", "samples.jsonl"):
@@ -650,13 +681,14 @@ def main(args: Args) -> None:
         accelerator.wait_for_everyone()
         accelerator.save_state(os.path.join(tmp, "state"))
         samplers = gather_object([sampler.state_dict()])
+        buffers = gather_object([data.buffer.state_dict()])
         weights = accelerator.get_state_dict(policy)  # full weights on rank 0, gathered under FSDP / ZeRO-3
         if accelerator.is_main_process:
             lm_weights = {k.removeprefix("lm."): v for k, v in weights.items()}
             accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
             with open(os.path.join(tmp, "trainer.json"), "w") as f:
-                json.dump({"step": step, "sampler": samplers}, f)
+                json.dump({"step": step, "sampler": samplers, "data": data_state(data, buffers)}, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old in complete_checkpoints(run_dir)[: -args.keep_checkpoints]:
@@ -682,9 +714,9 @@ def main(args: Args) -> None:
     for step in range(start_step, args.total_steps):
         t0 = time.time()
         # ROLLOUT: G completions per prompt, this rank's share of the step's prompts
-        idx = step_indices(step, len(train_prompts), args, rank, world)
-        prompts = [train_prompts[i] for i in idx]
-        golds = [train_golds[i] for i in idx for _ in range(args.group_size)]
+        rows = step_indices(step, len(train_prompts), args, rank, world, tracker=data.tracker)
+        prompts = [train_prompts[i] for i in rows]
+        golds = [train_golds[i] for i in rows for _ in range(args.group_size)]
         completions = sampler.generate(prompts, args.group_size, args.temperature, args.top_p, args.max_new_tokens)
         if args.vllm_enable_sleep_mode:
             sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
@@ -700,17 +732,30 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
+        # DATA: --gt-injection and --replay change the groups trained on (then their advantages); correct, lengths,
+        # rewards and texts stay the policy's own samples, which the tracker and the metrics describe
+        train = inject_and_replay(data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows],
+                                  tokenizer, args)
+        data.tracker.update(*(accelerator.gather(torch.tensor(x, device=device)).tolist()
+                              for x in (rows, correct.tolist(), lengths.tolist())), args.group_size)
+        if train.changed:
+            advantages = compute_advantages(compute_rewards(*train.tensors(device), args), args)
+        completions = train.completions  # what is trained on, for the prompts train.prompts
 
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
-        ids, attn, mask, p_len = pad_batch([p for p in prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id)
+        ids, attn, mask, p_len = pad_batch([p for p in train.prompts for _ in range(args.group_size)],
+                                           [c.token_ids for c in completions], pad_id)
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
                  "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
-        if all(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
-            batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in completions], device=device)
+        if any(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
+            nan = [float("nan")] * mask.shape[1]  # rows not sampled this step (injected, replayed) have none
+            batch["sampler_logps"] = torch.tensor([nan if c.logprobs is None else c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs))
+                                                   for c in completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
-            if args.num_mini_batches * args.ppo_epochs > 1 and has_signal:  # several updates per rollout: freeze pi_old once
+            if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
                 batch["old_logps"] = compute_logps(policy, batch, args)
+            finish_batch(data, train, batch, args)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args)
         t_old = time.time() - t0 - t_gen - t_reward
@@ -749,7 +794,9 @@ def main(args: Args) -> None:
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
             "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
-            **{f"train/{k}": v for k, v in completion_stats(texts, correct.tolist(), args.group_size).items()},
+            **{f"train/{k}": v
+               for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()},
+            **data_metrics(train, data, accelerator),
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),
             "train/grad_norm": grad_norm.item(),

@@ -6,7 +6,11 @@ No algorithm reads them: they only describe what the policy is doing.
 - repetition: the fraction of a completion's word n-grams that repeat an earlier n-gram (0 = no loop).
 - within-group diversity: distinct word n-grams / total n-grams over a group's completions (1 = all different).
 - reflection words ("wait", "however", "let me check", ...): how often completions use them, and accuracy with
-  and without them (the "aha moment" question: does reflecting go with being right?).
+  and without them (the "aha moment" question: does reflecting go with being right?); also each pattern on its
+  own (frequency and accuracy), and the response length with and without any of them.
+- accuracy of completions longer than the step's mean length against the others (does thinking longer pay?).
+- language mixing: a completion holding both a CJK character and a Latin word of two or more letters (LaTeX
+  commands such as \\frac are not words).
 - evaluation: avg@k, unbiased pass@k (Chen et al. 2021) and maj@k (cons@k: majority vote over final answers).
 """
 
@@ -21,6 +25,9 @@ import numpy as np
 REFLECTION_WORDS = ("wait", "however", "but", "let me check", "let me verify", "re-evaluate", "recheck", "mistake", "alternatively", "double-check")
 _REFLECTION = re.compile(r"\b(" + "|".join(re.escape(w) for w in REFLECTION_WORDS) + r")\b", re.IGNORECASE)
 _WORD = re.compile(r"\w+|[^\w\s]")
+_PATTERNS = {w: re.compile(r"\b" + re.escape(w) + r"\b", re.IGNORECASE) for w in REFLECTION_WORDS}
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_LATIN_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")  # not preceded by a backslash: LaTeX commands are no words
 
 
 def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
@@ -46,18 +53,47 @@ def has_reflection(text: str) -> bool:
     return _REFLECTION.search(text) is not None
 
 
-def completion_stats(texts: Sequence[str], correct: Sequence[float], group_size: int) -> dict[str, float]:
-    """Per-step text statistics of a rollout whose groups of `group_size` are contiguous."""
+def language_mix(text: str) -> bool:
+    """Whether the text holds both a CJK character and a Latin word (two or more letters, not a LaTeX command)."""
+    return _CJK.search(text) is not None and _LATIN_WORD.search(text) is not None
+
+
+def pattern_key(word: str) -> str:
+    """Metric-key spelling of a reflection pattern: "let me check" -> "let_me_check"."""
+    return re.sub(r"[^a-z]+", "_", word.lower())
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(np.mean(xs)) if len(xs) else float("nan")
+
+
+def completion_stats(
+    texts: Sequence[str], correct: Sequence[float], group_size: int, lengths: Sequence[float] | None = None
+) -> dict[str, float]:
+    """Per-step text statistics of a rollout whose groups of `group_size` are contiguous; with `lengths` (tokens
+    per completion) also lengths with/without reflection and the accuracy of long (> the mean) and short ones."""
     refl = [has_reflection(t) for t in texts]
     with_r = [c for c, r in zip(correct, refl) if r]
     without = [c for c, r in zip(correct, refl) if not r]
     groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
+    extra = {"language_mix_frac": float(np.mean([language_mix(t) for t in texts])) if texts else 0.0}
+    for w, pat in _PATTERNS.items():
+        hit = [pat.search(t) is not None for t in texts]
+        extra[f"reflection/{pattern_key(w)}_frac"] = float(np.mean(hit)) if texts else 0.0
+        extra[f"reflection/{pattern_key(w)}_accuracy"] = _mean([c for c, h in zip(correct, hit) if h])
+    if lengths is not None:
+        mean_len = float(np.mean(lengths)) if len(lengths) else 0.0
+        extra["response_length_with_reflection"] = _mean([n for n, r in zip(lengths, refl) if r])
+        extra["response_length_without_reflection"] = _mean([n for n, r in zip(lengths, refl) if not r])
+        extra["accuracy_long"] = _mean([c for c, n in zip(correct, lengths) if n > mean_len])
+        extra["accuracy_short"] = _mean([c for c, n in zip(correct, lengths) if n <= mean_len])
     return {
         "repetition_rate": float(np.mean([repetition_rate(t) for t in texts])) if texts else 0.0,
         "group_distinct_2gram": float(np.mean([distinct_ngrams(g, 2) for g in groups])) if groups else 1.0,
         "reflection_frac": float(np.mean(refl)) if texts else 0.0,
         "accuracy_with_reflection": float(np.mean(with_r)) if with_r else float("nan"),
         "accuracy_without_reflection": float(np.mean(without)) if without else float("nan"),
+        **extra,
     }
 
 

@@ -30,6 +30,7 @@ def test_every_flag_is_in_the_readme(script):
 def documented_key(key: str) -> str:
     """The README's spelling of a metric key: bucket values and dataset names become placeholders."""
     key = re.sub(r"^(train/daro_[wLM]_)[0-9.]+$", r"\1<μ>", key)
+    key = re.sub(r"^train/reflection/[a-z_]+_(frac|accuracy)$", r"train/reflection/<pattern>_\1", key)
     return re.sub(r"^eval/[^/]+/(avg|pass|maj)@\d+$", r"eval/<dataset>/\1@k", key)
 
 

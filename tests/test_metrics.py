@@ -67,3 +67,21 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
     assert metrics["eval/toy/avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert metrics["eval/toy/pass@4"] == 1.0
     assert metrics["eval/toy/maj@4"] == pytest.approx(0.5)
+
+
+def test_health_metrics_language_mix_patterns_and_length_splits():
+    texts = ["Wait, 2+2 is 4. Let me check: \\boxed{4}", "答案是 \\frac{1}{2}", "我们 compute 结果 4",
+             "Alternatively, wait... 5", "4", "but but 7"]
+    correct = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    lengths = [12, 7, 5, 9, 1, 3]  # mean 37/6: long = [12, 7, 9]
+    s = completion_stats(texts, correct, 3, lengths)
+    assert s["language_mix_frac"] == pytest.approx(1 / 6)  # only the third: \frac is a LaTeX command, not a word
+    assert s["reflection/wait_frac"] == pytest.approx(2 / 6) and s["reflection/wait_accuracy"] == pytest.approx(0.5)
+    assert s["reflection/let_me_check_frac"] == pytest.approx(1 / 6) and s["reflection/let_me_check_accuracy"] == 1.0
+    assert s["reflection/alternatively_frac"] == pytest.approx(1 / 6) and s["reflection/alternatively_accuracy"] == 0.0
+    assert s["reflection/but_frac"] == pytest.approx(1 / 6) and s["reflection/but_accuracy"] == 0.0
+    assert math.isnan(s["reflection/mistake_accuracy"]) and s["reflection/mistake_frac"] == 0.0
+    assert s["response_length_with_reflection"] == pytest.approx((12 + 9 + 3) / 3)
+    assert s["response_length_without_reflection"] == pytest.approx((7 + 5 + 1) / 3)
+    assert s["accuracy_long"] == pytest.approx(1 / 3) and s["accuracy_short"] == pytest.approx(2 / 3)
+    assert "accuracy_long" not in completion_stats(texts, correct, 3)  # without lengths: no length splits
