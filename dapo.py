@@ -285,7 +285,8 @@ def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=No
         return 1.0, {}
     if rollout_logps is None:
         raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
-    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)) * mask
+    # NaN rollout log-probs mark rows the sampler did not produce this step (injected, replayed): weight 1 there
+    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)).nan_to_num(nan=0.0) * mask
     if args.rollout_correction.startswith("sequence"):
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
     over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
@@ -545,8 +546,9 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
-                    canary.append(((logps.detach() - m["sampler_logps"]).abs() * m["mask"]).flatten())
-                    canary_tokens.append(m["mask"].sum())
+                    sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
+                    canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
+                    canary_tokens.append(sampled.sum())
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():  # means over the rollout; *_min / *_max: extremes over it
                     extreme = {"_min": torch.minimum, "_max": torch.maximum}.get(k[-4:])
@@ -820,8 +822,10 @@ def main(args: Args) -> None:
         mask = overlong_filter(mask, train.tensors("cpu")[2][sel], args)  # ALGO LOGIC: overlong filtering (§3.4)
         batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
                  "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
-        if all(c.logprobs is not None for c in train_completions):  # sampler log-probs: canary, rollout correction
-            batch["sampler_logps"] = torch.tensor([c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs)) for c in train_completions], device=device)
+        if any(c.logprobs is not None for c in train_completions):  # sampler log-probs: canary, rollout correction
+            nan = [float("nan")] * mask.shape[1]  # rows not sampled this step (injected, replayed) have none
+            batch["sampler_logps"] = torch.tensor([nan if c.logprobs is None else c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs))
+                                                   for c in train_completions], device=device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
