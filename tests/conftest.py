@@ -7,6 +7,14 @@ import sys
 
 import pytest
 
+import torch
+
+# Triton reads TRITON_INTERPRET when triton.language is first imported, and transformers imports triton at its own
+# import: set it before any test module imports transformers, so tests/test_triton_logprobs.py runs its kernels in
+# Triton's CPU interpreter whatever ran first. Subprocesses that build a vLLM engine drop it (tests/test_vllm.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

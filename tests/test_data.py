@@ -251,6 +251,7 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
         clip_eps_low=0.2,
         clip_eps_high=0.2,
         beta=0.0,
+        rollout_correction="none",
     )
     data = strategies(4, size=2)
     data.tracker.samples[:], data.tracker.correct[:] = [8, 8, 8, 8], [0, 8, 4, 0]  # estimates 0.1, 0.9, 0.5, 0.1

@@ -62,7 +62,7 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
             texts = {0: ["4", "4", "5", "x"], 1: ["1", "2", "2", "3"]}  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
             return [Completion(token_ids=[1], text=t, truncated=False) for q in range(len(prompts)) for t in texts[q]]
 
-    args = grpo.Args(eval_samples=4)
+    args = grpo.Args(eval_samples=4, prompt_template="none")  # bare answers: the "any" answer format
     metrics = grpo.evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, None, args)
     assert metrics["eval/toy/avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert metrics["eval/toy/pass@4"] == 1.0

@@ -39,7 +39,8 @@ def pool_tasks(monkeypatch):
 def test_integers_are_decided_without_math_verify_and_the_rest_by_workers(pool_tasks, monkeypatch):
     batch = INTEGERS + OTHER
     scores, counts = score([c for c, _, _ in batch], [g for _, g, _ in batch])
-    assert scores == [s for _, _, s in batch] and counts == {"timeouts": 0, "errors": 0, "no_answer": 0}
+    assert scores == [s for _, _, s in batch]
+    assert counts == {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0}
     assert pool_tasks == [list(range(len(INTEGERS), len(batch)))]  # only the non-integer items crossed to a worker
     monkeypatch.setattr(reward, "_verify", lambda pred, gold: 1 / 0)  # math-verify is never called for integers
     assert score([c for c, _, _ in INTEGERS], [g for _, g, _ in INTEGERS])[0] == [s for _, _, s in INTEGERS]

@@ -47,7 +47,9 @@ VLLM_FLAGS = {"sampler": "vllm", "vllm-gpu-memory-utilization": 0.02, "learning-
 
 
 def env(threads: int = 2) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    """The environment of a process that builds an engine: without the Triton interpreter tests/conftest.py sets."""
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**base, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run(cmd: list[str], threads: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
