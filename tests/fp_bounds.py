@@ -93,6 +93,28 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, na
     """|got - want| <= bound elementwise; returns max |got - want| / bound (how much of the bound is used)."""
     diff = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
     bound = bound.double().cpu().expand_as(diff)
-    used = (diff / bound).max().item()
+    used = (diff / bound).nan_to_num(0.0).max().item()  # 0 / 0: an exact result where no error is possible
     assert (diff <= bound).all(), f"{name}: |diff| exceeds its error bound {used:.3g}x (max |diff| {diff.max().item():.3g})"
     return used
+
+
+def group_advantage_bound(rewards, group_size: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Bound on the rounding error of A_i = (R_i - mean_g R) / (std_g R + eps) (unbiased std) computed in `dtype`
+    from `rewards` (the values it saw), elementwise [N], by first-order propagation through each step:
+      centring   d = R - mean:   |dd| <= gamma(n + 1) (max |R| + |mean|)     (n-term sum, / n, subtraction)
+      variance   v = sum d^2 / (n - 1):   |dv| <= 2 sum |d| |dd| / (n - 1) + gamma(n + 1) v
+      std        s = sqrt(v):   |ds| <= min(|dv| / (2 s), sqrt(|dv|)) + u s
+      A          d / (s + eps):   |dA| <= |dd| / (s + eps) + |A| (|ds| + u (s + eps)) / (s + eps) + u |A|
+    """
+    u = unit_roundoff(dtype)
+    r = rewards.detach().double().cpu().view(-1, group_size)
+    n = group_size
+    mean = r.mean(1, keepdim=True)
+    d = r - mean
+    dd = gamma(n + 1, dtype) * (r.abs().max(1, keepdim=True).values + mean.abs())
+    v = (d**2).sum(1, keepdim=True) / (n - 1)
+    s = v.sqrt()
+    dv = 2 * (d.abs() * dd).sum(1, keepdim=True) / (n - 1) + gamma(n + 1, dtype) * v
+    ds = torch.where(s > 0, torch.minimum(dv / (2 * s).clamp(min=1e-300), dv.sqrt()), dv.sqrt()) + u * s
+    a = d.abs() / (s + eps)
+    return (dd / (s + eps) + a * (ds + u * (s + eps)) / (s + eps) + u * a).view(-1)

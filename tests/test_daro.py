@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import daro
-from tests.checks import SingleProcess, TablePolicy
+from tests.checks import SingleProcess, TablePolicy, stat_sum_bound
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
 G = 4
@@ -199,8 +199,9 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
     (split,) = torch.autograd.grad(total, logps)
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
-    for k, v in stats.items():
-        torch.testing.assert_close(sum(p[1][k] for p in parts).double(), v.double(), rtol=0, atol=1e-6, msg=k)
+    for k, v in stats.items():  # fp32 token means of one sign (tests/checks.py); fp64 bucket stats as the loss
+        tol = stat_sum_bound(v, int(mask.sum()), len(chunks)) if v.dtype == torch.float32 else 1e-12
+        assert abs(sum(p[1][k] for p in parts).item() - v.item()) <= tol, k
     # the w-update's inputs add up over micro-batches too, and match the loops
     summed = sum(daro.bucket_mass(adv[c], bucket[c], mask[c], args, num_tokens) for c in chunks)
     torch.testing.assert_close(summed, torch.stack([mass, seqs]), rtol=0, atol=1e-12)
