@@ -66,19 +66,9 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
     u = unit_roundoff(dtype)
     ur = unit_roundoff(rounded_to) if rounded_to is not None else 0.0
     dz = (gamma(hid + 2, dtype) + ur) * (h64.abs() @ w64.abs().T) / temperature  # [N, V]
-    dz_max = dz.max(-1).values
     logits = h64 @ w64.T / temperature
-    lse = torch.logsumexp(logits, -1)
-    logp_all = logits - lse[:, None]
-    p = logp_all.exp()
-    logp = logp_all.gather(1, t[:, None]).squeeze(1)
-    ent = -(p * logp_all).sum(-1)
-    e_lse = dz_max + (2 * vocab + 8) * u + u * math.log(vocab) + u * lse.abs()
-    bounds = {
-        "lse": e_lse,
-        "logps": dz.gather(1, t[:, None]).squeeze(1) + e_lse + u * logp.abs(),
-        "entropy": 2 * ent * dz_max + (1 + ent) * e_lse + gamma(vocab + 2, dtype) * ent,
-    }
+    bounds = log_softmax_error_bounds(logits, t, dz, dtype)
+    p, e_lse = bounds.pop("p"), bounds["lse"]
     if upstream is not None:
         g = upstream.detach().double().cpu().abs()[:, None] / temperature
         onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
@@ -87,6 +77,28 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
         bounds["grad_h"] = dd @ w64.abs() + (gamma(vocab, dtype) + 2 * ur) * d_abs @ w64.abs()  # D and D @ W rounded
         bounds["grad_w"] = dd.T @ h64.abs() + (gamma(n, dtype) + ur) * d_abs.T @ h64.abs()  # D.T @ h rounded
     return bounds
+
+
+def log_softmax_error_bounds(logits, targets, dz, dtype) -> dict[str, torch.Tensor]:
+    """Bounds {"logps", "entropy", "lse": [N]} (and "p", the softmax) on log softmax(z)[target] and its entropy
+    computed in `dtype` from logits z ([N, V], exact values) that are each off by at most dz ([N, V]): the
+    lse, logp and entropy lines of logprob_error_bounds."""
+    z = logits.detach().double().cpu()
+    t = targets.cpu()
+    vocab = z.shape[-1]
+    u = unit_roundoff(dtype)
+    dz_max = dz.max(-1).values
+    lse = torch.logsumexp(z, -1)
+    logp_all = z - lse[:, None]
+    logp = logp_all.gather(1, t[:, None]).squeeze(1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    e_lse = dz_max + (2 * vocab + 8) * u + u * math.log(vocab) + u * lse.abs()
+    return {
+        "lse": e_lse,
+        "logps": dz.gather(1, t[:, None]).squeeze(1) + e_lse + u * logp.abs(),
+        "entropy": 2 * ent * dz_max + (1 + ent) * e_lse + gamma(vocab + 2, dtype) * ent,
+        "p": logp_all.exp(),
+    }
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, name: str = "") -> float:

@@ -96,6 +96,10 @@ def test_resume_continues_where_it_stopped(toy_assets, tmp_path):
     (full_dir,) = glob.glob(os.path.join(full, "a__*"))
     uninterrupted = read_metrics(full_dir)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    # Same machine, same inputs: equal up to the order a fresh process's kernels sum in. Reward and length are
+    # means over 64 samples (a different sample moves them by >= 1/64); grad_norm is an fp32 norm of O(1):
+    # a reordered fp32 backward of this 2-layer net moves it by ~1e-7 (u32 = 6e-8 times a small condition
+    # number), a state that is not restored (optimizer moments, learning-rate schedule, RNG) by >= 1e-3.
     for a, b in zip(resumed, uninterrupted):
         for key in ("train/reward_mean", "train/response_length_mean", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
@@ -109,8 +113,15 @@ def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
     run_script(script, toy_flags(toy_assets, str(tmp_path), **flags))
     (run_dir,) = glob.glob(os.path.join(tmp_path, "learn__*"))
     acc = [r["train/accuracy"] for r in read_metrics(run_dir)]
-    first, last = sum(acc[:20]) / 20, sum(acc[-20:]) / 20
-    assert last > first + 0.15 and last > 0.2, (first, last)
+    # Learning = the policy of the second half of training (steps 75-149, 9600 samples) answers far more often
+    # than the nearly untrained one of steps 0-9 (1280 samples). Means over long windows, not one trajectory's
+    # end: the same seed follows another trajectory where matmul kernels round differently, and 20-step windows
+    # of one run swing by 0.2 (lite_ppo, seed 1: 0.37 at steps 90-99, 0.17 at 130-149). Measured with these
+    # flags (seed 1, OMP_NUM_THREADS=2, grpo/dapo/dr_grpo/lite_ppo/gspo): untrained 0.011-0.016, second half
+    # 0.24-0.31, rise 0.228-0.294 (mean 0.265, sd 0.027). A rise of 0.1 is 6 sd below the mean and 0.13 below
+    # the lowest; a broken update (e.g. the advantage's sign flipped) drives the accuracy to 0, a rise <= 0.
+    untrained, trained = sum(acc[:10]) / 10, sum(acc[75:]) / len(acc[75:])
+    assert len(acc) == 150 and trained > untrained + 0.1, (untrained, trained)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
