@@ -71,3 +71,13 @@ class SingleProcess:
 
     def clip_grad_norm_(self, params, max_norm):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def reward_wall_bound(num_items: int, timeout_s: float, num_kills: int) -> float:
+    """The longest a common.reward.score call over `num_items` items may take by the pool's own limits, on any
+    machine (a bound from the code's contract, not from one machine's speed): the parent kills a worker
+    timeout_s + _GRACE_S after it took an item, and each killed worker (and a cold pool) may take up to
+    _START_TIMEOUT_S to start again, after which the pool gives up with an error."""
+    from common import reward
+
+    return num_items * (timeout_s + reward._GRACE_S) + (num_kills + 1) * reward._START_TIMEOUT_S
