@@ -329,7 +329,7 @@ def test_dynamic_sampling_metrics_and_resume_replays_the_data(toy_assets, tmp_pa
     assert "resumed from" in proc.stdout
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
-    for a, b in zip(resumed, rows):
+    for a, b in zip(resumed, rows):  # tolerance: see test_scripts.py::test_resume_continues_where_it_stopped
         for key in ("train/reward_mean", "train/gen_rounds", "train/train_groups", "train/kept_group_frac", "train/loss"):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 

@@ -219,7 +219,10 @@ def test_weights_converge_to_inverse_loss_for_fixed_positive_losses(optimizer, l
     for _ in range(steps):
         state.step(losses, present)
     w = state.weights()
-    torch.testing.assert_close(w[1:5], 1 / losses[1:5], rtol=1e-4, atol=0)
+    # A convergence bound, then fp64 rounding: once e^s L ~ 1, SGD contracts s - s* by |1 - lr e^s L| = 0.9 per
+    # step (|w L - 1| measured 1.6e-3, 4e-8, 2e-15 after 100, 200, 400 steps); Adam is at 9e-16 by step 750.
+    # At the fixed point only the rounding of e^s is left, |s*| u64 < 1e-15; 1e-12 leaves a 1000x margin.
+    torch.testing.assert_close(w[1:5], 1 / losses[1:5], rtol=1e-12, atol=0)
     assert w[5] == 1 and w[0] == 1 and w[6] == 1  # absent bucket and mu = 0, 1 never move
     # brute-force check of one SGD step on sum (e^s L - s): s <- s - lr (e^s L - 1)
     if optimizer == "sgd":
@@ -339,8 +342,8 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(part, "a__*"))
     saved = torch.load(os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False)
     last = [r for r in read_metrics(run_dir) if "train/daro_w_0.5" in r][-1]  # the w used in the last update
-    for c in range(1, 8):
-        assert math.exp(saved["log_w"][c].item()) == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=1e-5)
+    for c in range(1, 8):  # fp64 throughout: exp(log_w) times token shares that add up to 1 within gamma_8(fp64)
+        assert math.exp(saved["log_w"][c].item()) == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=1e-12)
     assert not torch.equal(saved["log_w"], torch.zeros(9, dtype=torch.float64))
     run_script("daro", toy_flags(toy_assets, part, 4, **{"exp-name": "a", "resume": run_dir}))
     resumed = read_metrics(run_dir)
@@ -349,8 +352,8 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     keys = [k for k in uninterrupted[3] if k.startswith("train/daro_") or k in ("train/loss", "train/reward_mean")]
     assert "train/daro_w_0.5" in keys
-    for a, b in zip(resumed, uninterrupted):
-        assert set(a) == set(b)
+    for a, b in zip(resumed, uninterrupted):  # same machine: equal up to a fresh process's summation order (the
+        assert set(a) == set(b)  # fp32 loss of O(1): ~1e-7); a state not restored moves them by far more
         for key in keys:
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key)

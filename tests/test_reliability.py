@@ -84,7 +84,7 @@ def write_jsonl(path, rows) -> str:
 
 def assert_metrics_match(rows, reference, steps) -> None:
     assert [r["step"] for r in rows] == list(range(steps)), "exactly one row per step"
-    for a, b in zip(rows, reference):
+    for a, b in zip(rows, reference):  # tolerance: see test_scripts.py::test_resume_continues_where_it_stopped
         for key in KEYS:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
