@@ -30,7 +30,8 @@ def assert_micro_batches_add_up(compute_policy_loss, logps, old, adv, mask, args
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
     for k in stat_keys:
-        assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= stat_sum_bound(stats[k], int(mask.sum()), len(chunks)), k
+        bound = stat_sum_bound(stats[k], int(mask.sum()), len(chunks))
+        assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= bound, k
     return loss, stats
 
 

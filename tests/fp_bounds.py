@@ -106,7 +106,7 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, na
     diff = (got.detach().double().cpu() - want.detach().double().cpu()).abs()
     bound = bound.double().cpu().expand_as(diff)
     used = (diff / bound).nan_to_num(0.0).max().item()  # 0 / 0: an exact result where no error is possible
-    assert (diff <= bound).all(), f"{name}: |diff| exceeds its error bound {used:.3g}x (max |diff| {diff.max().item():.3g})"
+    assert (diff <= bound).all(), f"{name}: |diff| is {used:.3g}x its error bound (max |diff| {diff.max().item():.3g})"
     return used
 
 

@@ -85,11 +85,13 @@ def _logp_bound(model: nn.Module, prompt: list[int], completion: list[int], temp
     with torch.no_grad():
         z = model(ids).logits[0, len(prompt) - 1 : -1].double().cpu() / temperature
     u32, u64 = unit_roundoff(torch.float32), unit_roundoff(torch.float64)
-    return log_softmax_error_bounds(z, torch.tensor(completion), (2 * u32 + 1e3 * u64) * z.abs(), torch.float32)["logps"]
+    dz = (2 * u32 + 1e3 * u64) * z.abs()
+    return log_softmax_error_bounds(z, torch.tensor(completion), dz, torch.float32)["logps"]
 
 
 def _ref_and_bound(model: nn.Module, prompt: list[int], completion: list[int], temperature: float):
-    return _teacher_forced_logps(model, prompt, completion, temperature), _logp_bound(model, prompt, completion, temperature)
+    ref = _teacher_forced_logps(model, prompt, completion, temperature)
+    return ref, _logp_bound(model, prompt, completion, temperature)
 
 
 def _assert_logps(c: Completion, ref: torch.Tensor, bound: torch.Tensor) -> None:
