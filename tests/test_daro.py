@@ -11,6 +11,7 @@ import torch
 
 import daro
 from tests.checks import SingleProcess, TablePolicy, stat_sum_bound
+from tests.fp_bounds import unit_roundoff
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
 G = 4
@@ -342,8 +343,11 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(part, "a__*"))
     saved = torch.load(os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False)
     last = [r for r in read_metrics(run_dir) if "train/daro_w_0.5" in r][-1]  # the w used in the last update
-    for c in range(1, 8):  # fp64 throughout: exp(log_w) times token shares that add up to 1 within gamma_8(fp64)
-        assert math.exp(saved["log_w"][c].item()) == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=1e-12)
+    # fp64 exp(log_w) times token shares that add up to 1 within gamma_8(fp64), logged after one rounding to fp32:
+    # relative error <= u32 + gamma_8(fp64) < 2 u32 (it differs from the saved w by 3.6e-8 = 0.6 u32 here)
+    for c in range(1, 8):
+        want = math.exp(saved["log_w"][c].item())
+        assert want == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=2 * unit_roundoff(torch.float32), abs=0)
     assert not torch.equal(saved["log_w"], torch.zeros(9, dtype=torch.float64))
     run_script("daro", toy_flags(toy_assets, part, 4, **{"exp-name": "a", "resume": run_dir}))
     resumed = read_metrics(run_dir)
