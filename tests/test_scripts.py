@@ -117,10 +117,10 @@ def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
     # than the nearly untrained one of steps 0-9 (1280 samples). Means over long windows, not one trajectory's
     # end: the same seed follows another trajectory where matmul kernels round differently, and 20-step windows
     # of one run swing by 0.2 (lite_ppo, seed 1: 0.37 at steps 90-99, 0.17 at 130-149). Measured with these
-    # flags (seed 1, OMP_NUM_THREADS=2; grpo, dapo, dr_grpo, lite_ppo, gspo, cispo): untrained 0.011-0.016,
-    # second half 0.24-0.40, rise 0.228-0.389 (mean 0.286, sd 0.057 across the scripts, an upper estimate of one
-    # script's spread over seeds). A rise of 0.1 is 3.3 sd below the mean and 0.13 below the lowest; a broken
-    # update (e.g. the advantage's sign flipped) drives the accuracy to 0, a rise <= 0.
+    # flags (seed 1, OMP_NUM_THREADS=2, all seven scripts): untrained 0.011-0.016, second half 0.24-0.40, rise
+    # 0.228-0.389 (mean 0.288, sd 0.052 across the scripts, an upper estimate of one script's spread over seeds).
+    # A rise of 0.1 is 3.6 sd below the mean and 0.13 below the lowest; a broken update drives the accuracy to 0
+    # (grpo with the advantage's sign flipped: 0.009 -> 0.001, a rise < 0).
     untrained, trained = sum(acc[:10]) / 10, sum(acc[75:]) / len(acc[75:])
     assert len(acc) == 150 and trained > untrained + 0.1, (untrained, trained)
 
