@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import daro
-from tests.checks import SingleProcess, TablePolicy
+from tests.checks import SingleProcess, TablePolicy, stat_sum_bound
+from tests.fp_bounds import unit_roundoff
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
 G = 4
@@ -209,8 +210,9 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
     (split,) = torch.autograd.grad(total, logps)
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(total, loss, rtol=0, atol=1e-12)
-    for k, v in stats.items():
-        torch.testing.assert_close(sum(p[1][k] for p in parts).double(), v.double(), rtol=0, atol=1e-6, msg=k)
+    for k, v in stats.items():  # fp32 token means of one sign (tests/checks.py); fp64 bucket stats as the loss
+        tol = stat_sum_bound(v, int(mask.sum()), len(chunks)) if v.dtype == torch.float32 else 1e-12
+        assert abs(sum(p[1][k] for p in parts).item() - v.item()) <= tol, k
     # the w-update's inputs add up over micro-batches too, and match the loops
     summed = sum(daro.bucket_mass(adv[c], bucket[c], mask[c], args, num_tokens) for c in chunks)
     torch.testing.assert_close(summed, torch.stack([mass, seqs, onpolicy]), rtol=0, atol=1e-12)
@@ -230,7 +232,10 @@ def test_weights_converge_to_inverse_loss_for_fixed_positive_losses(optimizer, l
     for _ in range(steps):
         state.step(losses, present)
     w = state.weights()
-    torch.testing.assert_close(w[1:5], 1 / losses[1:5], rtol=1e-4, atol=0)
+    # A convergence bound, then fp64 rounding: once e^s L ~ 1, SGD contracts s - s* by |1 - lr e^s L| = 0.9 per
+    # step (|w L - 1| measured 1.6e-3, 4e-8, 2e-15 after 100, 200, 400 steps); Adam is at 9e-16 by step 750.
+    # At the fixed point only the rounding of e^s is left, |s*| u64 < 1e-15; 1e-12 leaves a 1000x margin.
+    torch.testing.assert_close(w[1:5], 1 / losses[1:5], rtol=1e-12, atol=0)
     assert w[5] == 1 and w[0] == 1 and w[6] == 1  # absent bucket and mu = 0, 1 never move
     # brute-force check of one SGD step on sum (e^s L - s): s <- s - lr (e^s L - 1)
     if optimizer == "sgd":
@@ -350,8 +355,11 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(part, "a__*"))
     saved = torch.load(os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False)
     last = [r for r in read_metrics(run_dir) if "train/daro_w_0.5" in r][-1]  # the w used in the last update
+    # fp64 exp(log_w) times token shares that add up to 1 within gamma_8(fp64), logged after one rounding to fp32:
+    # relative error <= u32 + gamma_8(fp64) < 2 u32 (it differs from the saved w by 3.6e-8 = 0.6 u32 here)
     for c in range(1, 8):
-        assert math.exp(saved["log_w"][c].item()) == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=1e-5)
+        want = math.exp(saved["log_w"][c].item())
+        assert want == pytest.approx(last[f"train/daro_w_{c / 8:.4g}"], rel=2 * unit_roundoff(torch.float32), abs=0)
     assert not torch.equal(saved["log_w"], torch.zeros(9, dtype=torch.float64))
     run_script("daro", toy_flags(toy_assets, part, 4, **{"exp-name": "a", "resume": run_dir}))
     resumed = read_metrics(run_dir)
@@ -360,8 +368,8 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     keys = [k for k in uninterrupted[3] if k.startswith("train/daro_") or k in ("train/loss", "train/reward_mean")]
     assert "train/daro_w_0.5" in keys
-    for a, b in zip(resumed, uninterrupted):
-        assert set(a) == set(b)
+    for a, b in zip(resumed, uninterrupted):  # same machine: equal up to a fresh process's summation order (the
+        assert set(a) == set(b)  # fp32 loss of O(1): ~1e-7); a state not restored moves them by far more
         for key in keys:
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key)

@@ -11,6 +11,7 @@ import dr_grpo
 import grpo
 from tests.reference import ppo_clip_token
 from tests.checks import assert_micro_batches_add_up
+from tests.fp_bounds import assert_within, group_advantage_bound
 
 L_MAX = 8  # the generation budget in these tests (longer than any completion below)
 
@@ -62,8 +63,10 @@ def test_advantages_are_centred_rewards_without_std():
     # one correct out of four: +3/4 and -1/4 (GRPO would divide by the unbiased std 0.5: +1.5, -0.5)
     adv = dr_grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), args)
     torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]), rtol=0, atol=0)
-    torch.testing.assert_close(grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), grpo.Args(group_size=4)),
-                               torch.tensor([1.5, -0.5, -0.5, -0.5]), rtol=0, atol=1e-5)
+    one_of_four, eps = torch.tensor([1.0, 0.0, 0.0, 0.0]), grpo.Args().adv_eps
+    want = torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=torch.float64) / (0.5 + eps)  # fp32 rounding bound
+    got = grpo.compute_advantages(one_of_four, grpo.Args(group_size=4))
+    assert_within(got, want, group_advantage_bound(one_of_four, 4, eps, got.dtype))
 
 
 def test_advantages_have_no_difficulty_reweighting():

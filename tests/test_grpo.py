@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import grpo
 from tests.checks import SingleProcess, TablePolicy, assert_micro_batches_add_up
+from tests.fp_bounds import assert_within, group_advantage_bound
 from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
 
 
@@ -37,9 +40,11 @@ def test_advantages_match_reference():
 
 def test_advantages_sign_and_scale():
     args = make_args(group_size=2)
-    adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), args)
-    # two samples {1, 0}: mean 0.5, unbiased std 1/sqrt(2) -> +-0.7071
-    torch.testing.assert_close(adv, torch.tensor([0.70710, -0.70710, 0.0, 0.0]), rtol=0, atol=1e-4)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = grpo.compute_advantages(rewards, args)
+    # two samples {1, 0}: mean 0.5, unbiased std 1/sqrt(2) -> +-0.5 / (0.7071 + eps); fp32 rounding bound
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / (math.sqrt(0.5) + args.adv_eps)
+    assert_within(adv, want, group_advantage_bound(rewards, 2, args.adv_eps, adv.dtype))
 
 
 def brute_loss(logps, old, adv, mask, args, ref=None):

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 import grpo
 from common import reward
+from tests.checks import reward_wall_bound
 from tests.test_scripts import ROOT, read_metrics, run_script
 
 # tiny, fast settings: 16 completions of 2 tokens per step, one micro-batch, no reference model
@@ -83,7 +84,7 @@ def write_jsonl(path, rows) -> str:
 
 def assert_metrics_match(rows, reference, steps) -> None:
     assert [r["step"] for r in rows] == list(range(steps)), "exactly one row per step"
-    for a, b in zip(rows, reference):
+    for a, b in zip(rows, reference):  # tolerance: see test_scripts.py::test_resume_continues_where_it_stopped
         for key in KEYS:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
@@ -483,7 +484,7 @@ def check_scores(completions, answers):
     assert len(scores) == len(completions)
     assert all(type(s) is float and s in (0.0, 1.0) for s in scores), scores
     assert set(counts) == {"timeouts", "errors", "no_answer", "format_errors"} and all(isinstance(v, int) and v >= 0 for v in counts.values())
-    assert elapsed < TIMEOUT_S * len(completions) + 10, elapsed
+    assert elapsed < reward_wall_bound(len(completions), TIMEOUT_S, num_kills=len(completions)), elapsed
     assert not os.path.exists(CANARY)
 
 
@@ -495,7 +496,9 @@ def test_reward_fuzz_never_raises_is_binary_bounded_and_executes_nothing(warm_re
     check_scores(completions, completions)  # a completion as its own gold: gold parsing is hostile input too
     t0 = time.monotonic()
     bad = reward.find_unparseable_gold(answers, timeout_s=TIMEOUT_S)
-    assert set(bad) <= set(range(len(answers))) and time.monotonic() - t0 < TIMEOUT_S * len(answers) + 10
+    elapsed = time.monotonic() - t0
+    assert set(bad) <= set(range(len(answers)))
+    assert elapsed < reward_wall_bound(len(answers), TIMEOUT_S, num_kills=len(answers)), elapsed
     assert not os.path.exists(CANARY)
 
 

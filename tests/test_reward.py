@@ -10,6 +10,7 @@ import pytest
 
 from common import reward
 from common.reward import extract_final_answer, find_unparseable_gold, math_reward, parse_gold, score
+from tests.checks import reward_wall_bound
 
 CORRECT = [
     (r"The answer is \boxed{42}.", "42"),
@@ -111,7 +112,7 @@ HOSTILE = {
 def test_hostile_is_bounded_and_counted(name):
     start = time.monotonic()
     scores, counts = score([HOSTILE[name]], ["1"], timeout_s=1.0)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < reward_wall_bound(1, 1.0, num_kills=1)
     assert scores == [0.0]
     assert counts["timeouts"] + counts["errors"] == 1, counts
 
@@ -133,7 +134,7 @@ def test_hostile_neighbours_keep_their_scores():
     batch = good[:4] + [(HOSTILE["tower"], "1"), (HOSTILE["nested_parens_300"], "1")] + good[4:]
     start = time.monotonic()
     scores, counts = score([c for c, _ in batch], [g for _, g in batch], timeout_s=2.0)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < reward_wall_bound(len(batch), 2.0, num_kills=2)
     assert scores == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert counts["timeouts"] + counts["errors"] == 2
     assert math_reward([r"\boxed{42}", r"\boxed{2^{10}}"], ["42", "1024"]) == [1.0, 1.0]  # the pool still works
@@ -147,7 +148,7 @@ def test_hung_worker_is_killed_and_replaced():
     completions, golds = [rf"\boxed{{{k}/2}}" for k in range(8)], [str(k / 2) for k in range(8)]
     start = time.monotonic()
     scores, counts = score(completions, golds, timeout_s=2.0)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < reward_wall_bound(len(completions), 2.0, num_kills=1)
     assert stuck not in reward._POOL.workers and stuck.proc.poll() is not None
     assert counts["timeouts"] == 1 and sum(scores) == 7.0  # only the item it was on is lost
     assert math_reward(completions, golds) == [1.0] * 8
