@@ -61,8 +61,17 @@ import numpy as np
 import torch
 import tyro
 
-from common.data import (check_args, data_metrics, data_state, draw_prompts, finish_batch, init_data, inject_and_replay,
-                         load_data_state, load_solutions)
+from common.data import (
+    check_args,
+    data_metrics,
+    data_state,
+    draw_prompts,
+    finish_batch,
+    init_data,
+    inject_and_replay,
+    load_data_state,
+    load_solutions,
+)
 from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
 from common.metrics import completion_stats, majority_correct, pass_at_k
 from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score, set_workers
@@ -262,9 +271,12 @@ def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=No
     if args.rollout_correction.endswith("mask"):
         weight = torch.where(over, 0.0, weight)
     token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
-    stats = {"rollout_corr_weight_mean": token_mean(weight), "rollout_corr_capped_frac": token_mean(over),
-             "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
-             "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax()}
+    stats = {
+        "rollout_corr_weight_mean": token_mean(weight),
+        "rollout_corr_capped_frac": token_mean(over),
+        "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
+        "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax(),
+    }
     return weight, stats
 
 
@@ -326,7 +338,14 @@ def format_prompt(question: str, template: str, tokenizer) -> str:
     if template == "qwen-boxed":
         messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
     else:
-        messages = [{"role": "user", "content": question if question.startswith(DAPO_TEMPLATE[:46]) else DAPO_TEMPLATE.format(question=question)}]  # DAPO-Math-17k's prompts carry it already
+        messages = [
+            {
+                "role": "user",
+                "content": question
+                if question.startswith(DAPO_TEMPLATE[:46])
+                else DAPO_TEMPLATE.format(question=question),
+            }
+        ]  # DAPO-Math-17k's prompts carry it already
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
@@ -350,7 +369,9 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
     except SystemExit:
         raise
     except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise SystemExit(f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}") from None
+        raise SystemExit(
+            f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        ) from None
     for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
         if col not in ds.column_names:
             raise SystemExit(f"{col_flag}: column {col!r} not in {name!r}; available: {ds.column_names}")
@@ -364,7 +385,9 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     bad = set(find_unparseable_gold(answers))
     if len(bad) > args.max_bad_answer_frac * len(answers):
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
-        raise SystemExit(f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}")
+        raise SystemExit(
+            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
+        )
     prompts, golds, too_long = [], [], 0
     for i, (q, a) in enumerate(zip(questions, answers)):
         ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
@@ -379,7 +402,9 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     if too_long:
         print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
     if not prompts:
-        raise SystemExit(f"{flag}: no usable rows left (unparseable answers: {len(bad)}, longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})")
+        raise SystemExit(
+            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
+        )
     return prompts, golds
 
 
@@ -400,8 +425,16 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def step_indices(step: int, num_rows: int, args: Args, rank: int, world: int, count: int | None = None,
-                 tracker=None, progress: float | None = None) -> list[int]:
+def step_indices(
+    step: int,
+    num_rows: int,
+    args: Args,
+    rank: int,
+    world: int,
+    count: int | None = None,
+    tracker=None,
+    progress: float | None = None,
+) -> list[int]:
     """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
     The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
     --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
@@ -469,7 +502,11 @@ def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
     [p_len - p_w, p_len + c_w) and completion columns [0, c_w)."""
     p_len = batch["p_len"]
     out = {k: batch[k][idx, :c_w] for k in ("mask", "old_logps", "ref_logps", "sampler_logps") if k in batch}
-    out.update(ids=batch["ids"][idx, p_len - p_w : p_len + c_w], attn=batch["attn"][idx, p_len - p_w : p_len + c_w], advantages=batch["advantages"][idx])
+    out.update(
+        ids=batch["ids"][idx, p_len - p_w : p_len + c_w],
+        attn=batch["attn"][idx, p_len - p_w : p_len + c_w],
+        advantages=batch["advantages"][idx],
+    )
     return out
 
 
@@ -497,8 +534,12 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)  # host-side lengths
-            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]  # index copies, before the loop
+            plan = micro_batches(
+                perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args
+            )  # host-side lengths
+            chunks = [
+                (torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan
+            ]  # index copies, before the loop
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
@@ -507,8 +548,16 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                     logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
                     old = logps.detach() if "old_logps" not in m else m["old_logps"]
                     loss, stats = compute_policy_loss(
-                        logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs,
-                        ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"))
+                        logps,
+                        old,
+                        m["advantages"],
+                        m["mask"],
+                        args,
+                        num_tokens=num_tokens,
+                        num_seqs=num_seqs,
+                        ref_logps=m.get("ref_logps"),
+                        rollout_logps=m.get("sampler_logps"),
+                    )
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
@@ -548,9 +597,13 @@ def main(args: Args) -> None:
     if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
         raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
     if args.logprob_kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)")
+        raise SystemExit(
+            "--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
+        )
     if args.micro_batch_tokens < 0:
-        raise SystemExit(f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}")
+        raise SystemExit(
+            f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}"
+        )
     if args.reward_workers < -1:
         raise SystemExit(f"--reward-workers must be >= -1 (-1: cores per local rank), got {args.reward_workers}")
     set_workers(args.reward_workers)
@@ -565,35 +618,58 @@ def main(args: Args) -> None:
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
     if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
-        raise SystemExit("--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)")
+        raise SystemExit(
+            "--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)"
+        )
     if args.vllm_tensor_parallel_size != 1:
         raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
     check_args(args)
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    accelerator = Accelerator(cpu=cpu and not use_deepspeed, mixed_precision=mixed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None)
+    accelerator = Accelerator(
+        cpu=cpu and not use_deepspeed,
+        mixed_precision=mixed,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
+    )
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.prompts_per_step % world:
-        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}")
+        raise SystemExit(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}"
+        )
     if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
-        raise SystemExit(f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions")
+        raise SystemExit(
+            f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
+        )
     if args.resume and not complete_checkpoints(args.resume):
         raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
-        raise SystemExit(f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    max_model_len = args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0)
+        raise SystemExit(
+            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from None
+    max_model_len = args.max_prompt_tokens + max(
+        args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0
+    )
     positions = getattr(model.config, "max_position_embeddings", None)
     if sampler_kind == "vllm" and positions is not None and max_model_len > positions:
-        raise SystemExit(f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} exceeds the model's {positions} positions, which vLLM refuses: lower them")
+        raise SystemExit(
+            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} exceeds the model's {positions} positions, which vLLM refuses: lower them"
+        )
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_prompts, train_golds = [], []
     if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
-        questions, answers = load_rows(args.dataset_name, args.dataset_config, args.dataset_split, args.prompt_column, args.answer_column, "--dataset-name")
+        questions, answers = load_rows(
+            args.dataset_name,
+            args.dataset_config,
+            args.dataset_split,
+            args.prompt_column,
+            args.answer_column,
+            "--dataset-name",
+        )
         train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
         solutions = load_solutions(load_rows, args)  # DATA: --solution-column, then the tracker and replay buffer
         data = init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt)
@@ -630,19 +706,33 @@ def main(args: Args) -> None:
         if args.track:  # wandb is imported only here; it syncs the TensorBoard events written below
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                       sync_tensorboard=True, config=vars(args), dir=run_dir, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                name=os.path.basename(run_dir),
+                sync_tensorboard=True,
+                config=vars(args),
+                dir=run_dir,
+                save_code=True,
+            )
         writer = SummaryWriter(run_dir)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items()))
+        writer.add_text(
+            "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+        )
 
     # TRY NOT TO MODIFY: models, optimizer, sampler
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     sampler = make_sampler(
-        sampler_kind, model=model, tokenizer=tokenizer, model_name_or_path=args.model_name_or_path,
-        seed=args.seed + rank * 100003, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
+        sampler_kind,
+        model=model,
+        tokenizer=tokenizer,
+        model_name_or_path=args.model_name_or_path,
+        seed=args.seed + rank * 100003,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len,
     )
     answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
@@ -651,10 +741,15 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # its engine clips and steps: our values, not the config's
+    if (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+    ):  # its engine clips and steps: our values, not the config's
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.micro_batch_size, train_batch_size=args.micro_batch_size * world,
-            gradient_accumulation_steps=1, gradient_clipping=args.max_grad_norm)
+            train_micro_batch_size_per_gpu=args.micro_batch_size,
+            train_batch_size=args.micro_batch_size * world,
+            gradient_accumulation_steps=1,
+            gradient_clipping=args.max_grad_norm,
+        )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None  # no KL term (§3, beta = 0): no reference model
     start_step = 0
@@ -672,7 +767,9 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]  # a kill can cut the last row
+                        rows = [
+                            r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step
+                        ]  # a kill can cut the last row
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -740,23 +837,41 @@ def main(args: Args) -> None:
         advantages = compute_advantages(rewards, args)
         # DATA: --gt-injection and --replay change the groups trained on (then their advantages); correct, lengths,
         # rewards and texts stay the policy's own samples, which the tracker and the metrics describe
-        train = inject_and_replay(data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows],
-                                  tokenizer, args)
-        data.tracker.update(*(accelerator.gather(torch.tensor(x, device=device)).tolist()
-                              for x in (rows, correct.tolist(), lengths.tolist())), args.group_size)
+        train = inject_and_replay(
+            data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows], tokenizer, args
+        )
+        data.tracker.update(
+            *(
+                accelerator.gather(torch.tensor(x, device=device)).tolist()
+                for x in (rows, correct.tolist(), lengths.tolist())
+            ),
+            args.group_size,
+        )
         if train.changed:
             advantages = compute_advantages(compute_rewards(*train.tensors(device), args), args)
         completions = train.completions  # what is trained on, for the prompts train.prompts
 
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
-        ids, attn, mask, p_len = pad_batch([p for p in train.prompts for _ in range(args.group_size)],
-                                           [c.token_ids for c in completions], pad_id)
-        batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": p_len, "advantages": advantages,
-                 "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist()))}  # (prompt, completion) lengths, host-side
+        ids, attn, mask, p_len = pad_batch(
+            [p for p in train.prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id
+        )
+        batch = {
+            "ids": ids.to(device),
+            "attn": attn.to(device),
+            "mask": mask.to(device),
+            "p_len": p_len,
+            "advantages": advantages,
+            "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist())),
+        }  # (prompt, completion) lengths, host-side
         if any(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
             nan = [float("nan")] * mask.shape[1]  # rows not sampled this step (injected, replayed) have none
-            batch["sampler_logps"] = torch.tensor([nan if c.logprobs is None else c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs))
-                                                   for c in completions], device=device)
+            batch["sampler_logps"] = torch.tensor(
+                [
+                    nan if c.logprobs is None else c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs))
+                    for c in completions
+                ],
+                device=device,
+            )
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
@@ -780,7 +895,9 @@ def main(args: Args) -> None:
         t_sync = time.time() - t0 - t_gen - t_reward - t_old - t_train
 
         # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
-        g = lambda x: (lambda y: y[~y.isnan()])(accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))))  # noqa: E731
+        g = lambda x: (lambda y: y[~y.isnan()])(
+            accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan")))
+        )  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
         reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
@@ -793,15 +910,21 @@ def main(args: Args) -> None:
             "train/accuracy": all_correct.mean().item(),
             "train/response_length_mean": all_len.mean().item(),
             "train/response_length_max": all_len.max().item(),
-            "train/response_length_correct": all_len[all_correct > 0].mean().item() if (all_correct > 0).any() else float("nan"),
-            "train/response_length_incorrect": all_len[all_correct == 0].mean().item() if (all_correct == 0).any() else float("nan"),
+            "train/response_length_correct": all_len[all_correct > 0].mean().item()
+            if (all_correct > 0).any()
+            else float("nan"),
+            "train/response_length_incorrect": all_len[all_correct == 0].mean().item()
+            if (all_correct == 0).any()
+            else float("nan"),
             "train/truncated_frac": g(truncated).mean().item(),
             "train/groups_all_correct": (group_acc == 1).float().mean().item(),
             "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
             "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
-            **{f"train/{k}": v
-               for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()},
+            **{
+                f"train/{k}": v
+                for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()
+            },
             **data_metrics(train, data, accelerator),
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),
@@ -822,10 +945,25 @@ def main(args: Args) -> None:
             metrics["time/eval"] = time.time() - t_eval
         log(metrics, step)
         if writer is not None and args.log_samples_every > 0 and step % args.log_samples_every == 0:
-            samples = [{"step": step, "prompt": tokenizer.decode(prompts[i // args.group_size]), "completion": texts[i], "reward": rewards[i].item()} for i in range(0, len(texts), args.group_size)][:4]
+            samples = [
+                {
+                    "step": step,
+                    "prompt": tokenizer.decode(prompts[i // args.group_size]),
+                    "completion": texts[i],
+                    "reward": rewards[i].item(),
+                }
+                for i in range(0, len(texts), args.group_size)
+            ][:4]
             with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
                 f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text("samples", "\n\n---\n\n".join(f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}" for s in samples), step)
+            writer.add_text(
+                "samples",
+                "\n\n---\n\n".join(
+                    f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}"
+                    for s in samples
+                ),
+                step,
+            )
         eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
         accelerator.print(
             f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} acc {metrics['train/accuracy']:.3f} "

@@ -54,7 +54,9 @@ def run_one(method: str, vocab: int, tokens: int, hidden: int, chunk: int, repea
 
     def step():
         if method in ("ours", "triton"):
-            logps, entropy = chunked_logprobs(h, w, targets, 1.0, chunk, kernel="torch" if method == "ours" else "triton")
+            logps, entropy = chunked_logprobs(
+                h, w, targets, 1.0, chunk, kernel="torch" if method == "ours" else "triton"
+            )
         else:
             logits = (h @ w.T).float()
             if method == "naive":
@@ -117,20 +119,52 @@ def main() -> None:
                     res[m] = None
                     continue
                 env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
-                out = subprocess.run([sys.executable, __file__, "--one", f"{m},{vocab},{tokens}", "--hidden", str(a.hidden),
-                                      "--chunk", str(a.chunk), "--repeats", str(a.repeats), "--dtype", a.dtype], capture_output=True, text=True, env=env)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        f"{m},{vocab},{tokens}",
+                        "--hidden",
+                        str(a.hidden),
+                        "--chunk",
+                        str(a.chunk),
+                        "--repeats",
+                        str(a.repeats),
+                        "--dtype",
+                        a.dtype,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
                 res[m] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
                 if out.returncode != 0:
                     print(f"{m} V={vocab} T={tokens} failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
             rows.append((vocab, tokens, res))
             print(vocab, tokens, res, file=sys.stderr)
     fmt = lambda r, k, f: "skipped" if r is None else f.format(r[k])  # noqa: E731
-    lines = ["| vocab | tokens | " + " | ".join(f"{m} time (s)" for m in a.methods) + " | " + " | ".join(f"{m} peak extra (MiB)" for m in a.methods) + " | ours / naive memory |",
-             "|---" * (2 + 2 * len(a.methods) + 1) + "|"]
+    lines = [
+        "| vocab | tokens | "
+        + " | ".join(f"{m} time (s)" for m in a.methods)
+        + " | "
+        + " | ".join(f"{m} peak extra (MiB)" for m in a.methods)
+        + " | ours / naive memory |",
+        "|---" * (2 + 2 * len(a.methods) + 1) + "|",
+    ]
     for vocab, tokens, res in rows:
-        ratio = "-" if not res.get("naive") or not res.get("ours") else f"{res['ours']['peak_extra_mib'] / res['naive']['peak_extra_mib']:.3f}"
-        lines.append(f"| {vocab} | {tokens} | " + " | ".join(fmt(res.get(m), "time_s", "{:.3f}") for m in a.methods) + " | "
-                     + " | ".join(fmt(res.get(m), "peak_extra_mib", "{:.0f}") for m in a.methods) + f" | {ratio} |")
+        ratio = (
+            "-"
+            if not res.get("naive") or not res.get("ours")
+            else f"{res['ours']['peak_extra_mib'] / res['naive']['peak_extra_mib']:.3f}"
+        )
+        lines.append(
+            f"| {vocab} | {tokens} | "
+            + " | ".join(fmt(res.get(m), "time_s", "{:.3f}") for m in a.methods)
+            + " | "
+            + " | ".join(fmt(res.get(m), "peak_extra_mib", "{:.0f}") for m in a.methods)
+            + f" | {ratio} |"
+        )
     table = "\n".join(lines)
     where = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPU threads"
     header = f"hidden {a.hidden}, chunk {a.chunk}, {a.dtype}, {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n"

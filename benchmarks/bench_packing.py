@@ -47,13 +47,20 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    lengths = (torch.randn(a.rollout, generator=g) * 0.8).exp().mul(a.median_tokens).round().clamp(1, a.max_new_tokens).long()
+    lengths = (
+        (torch.randn(a.rollout, generator=g) * 0.8).exp().mul(a.median_tokens).round().clamp(1, a.max_new_tokens).long()
+    )
     n, P, C = a.rollout, a.prompt_tokens, int(lengths.max())
     mask = (torch.arange(C)[None] < lengths[:, None]).long()
     ids = torch.randint(3, a.vocab, (n, P + C), generator=g)
     attn = torch.cat([torch.ones(n, P, dtype=torch.long), mask], 1)
-    batch = {"ids": ids.to(device), "attn": attn.to(device), "mask": mask.to(device), "p_len": P,
-             "advantages": torch.randn(n, generator=g).to(device)}
+    batch = {
+        "ids": ids.to(device),
+        "attn": attn.to(device),
+        "mask": mask.to(device),
+        "p_len": P,
+        "advantages": torch.randn(n, generator=g).to(device),
+    }
     real = [(P, int(k)) for k in lengths]
     budget = a.micro_batch_size * (P + a.max_new_tokens)
     settings = {
@@ -61,9 +68,16 @@ def main() -> None:
         "cut": ({"micro_batch_size": a.micro_batch_size}, real),
         "packed": ({"micro_batch_size": a.micro_batch_size, "micro_batch_tokens": budget}, real),
     }
-    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.hidden, num_hidden_layers=a.layers,
-                      num_attention_heads=max(1, a.hidden // 64), num_key_value_heads=max(1, a.hidden // 128),
-                      max_position_embeddings=P + a.max_new_tokens, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=4 * a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=max(1, a.hidden // 64),
+        num_key_value_heads=max(1, a.hidden // 128),
+        max_position_embeddings=P + a.max_new_tokens,
+        tie_word_embeddings=True,
+    )
     accelerator = Accelerator(cpu=device == "cpu")
     rows = []
     for name, (flags, lens) in settings.items():
@@ -84,10 +98,14 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         rows.append((name, len(plan), tokens, statistics.median(times[1:])))
     base = rows[0][3]
-    lines = [f"{time.strftime('%Y-%m-%d')}, {device}, {os.cpu_count()} CPU threads, torch {torch.__version__}; Qwen2 hidden {a.hidden} x "
-             f"{a.layers} layers, vocab {a.vocab}; {n} sequences, prompt {P}, completions median {int(lengths.median())} / "
-             f"mean {lengths.float().mean():.0f} / max {C} tokens; micro-batch {a.micro_batch_size} rows or {budget} tokens",
-             "", "| setting | micro-batches | tokens computed | s per update | vs padded |", "|---|---|---|---|---|"]
+    lines = [
+        f"{time.strftime('%Y-%m-%d')}, {device}, {os.cpu_count()} CPU threads, torch {torch.__version__}; Qwen2 hidden {a.hidden} x "
+        f"{a.layers} layers, vocab {a.vocab}; {n} sequences, prompt {P}, completions median {int(lengths.median())} / "
+        f"mean {lengths.float().mean():.0f} / max {C} tokens; micro-batch {a.micro_batch_size} rows or {budget} tokens",
+        "",
+        "| setting | micro-batches | tokens computed | s per update | vs padded |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {name} | {mbs} | {tok} | {s:.3f} | {s / base:.2f} |" for name, mbs, tok, s in rows]
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)

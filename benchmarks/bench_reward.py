@@ -84,11 +84,14 @@ def main() -> None:
     a = p.parse_args()
     default = reward.default_workers()
     counts = a.workers or sorted({0, default, *(2**k for k in range(8) if 2**k <= default)})
-    lines = [f"{time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} cores usable by this process, "
-             f"default workers here {default} (LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', '1')}); "
-             f"{N} completions per batch, median of {a.repeats}", "",
-             "| workers | pool start (s) | MATH-like mix / s | integer answers / s |",
-             "|---|---|---|---|"]
+    lines = [
+        f"{time.strftime('%Y-%m-%d')}, {len(os.sched_getaffinity(0))} cores usable by this process, "
+        f"default workers here {default} (LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', '1')}); "
+        f"{N} completions per batch, median of {a.repeats}",
+        "",
+        "| workers | pool start (s) | MATH-like mix / s | integer answers / s |",
+        "|---|---|---|---|",
+    ]
     for n in counts:
         reward.set_workers(n)
         start = time.perf_counter()

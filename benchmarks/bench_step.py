@@ -40,20 +40,58 @@ def build_model(root: str, hidden: int, layers: int) -> str:
     out = os.path.join(root, "model")
     tok = build_tokenizer(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     return out
 
 
 def ours(model: str, data: str, a, script: str = os.path.join(ROOT, "grpo.py")) -> tuple[float, dict]:
     out = tempfile.mkdtemp()
-    cmd = [sys.executable, script, "--model-name-or-path", model, "--dataset-name", data,
-           "--prompt-column", "question", "--answer-column", "answer", "--prompt-template", "none",
-           "--group-size", str(a.group_size), "--prompts-per-step", str(a.prompts), "--max-new-tokens", str(a.new_tokens),
-           "--learning-rate", "1e-6", "--beta", str(a.beta),
-           "--total-steps", str(a.steps), "--sampler", "hf", "--output-dir", out, "--save-every", "0", "--log-samples-every", "0"]
+    cmd = [
+        sys.executable,
+        script,
+        "--model-name-or-path",
+        model,
+        "--dataset-name",
+        data,
+        "--prompt-column",
+        "question",
+        "--answer-column",
+        "answer",
+        "--prompt-template",
+        "none",
+        "--group-size",
+        str(a.group_size),
+        "--prompts-per-step",
+        str(a.prompts),
+        "--max-new-tokens",
+        str(a.new_tokens),
+        "--learning-rate",
+        "1e-6",
+        "--beta",
+        str(a.beta),
+        "--total-steps",
+        str(a.steps),
+        "--sampler",
+        "hf",
+        "--output-dir",
+        out,
+        "--save-every",
+        "0",
+        "--log-samples-every",
+        "0",
+    ]
     cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing
     cmd += ["--micro-batch-size", str(a.micro_batch)] * (a.micro_batch > 0)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(script))}
@@ -88,14 +126,40 @@ def trl(model: str, data: str, a) -> float:
             times.append(time.perf_counter() - self.t)
 
     n = a.group_size * a.prompts
-    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=n, num_generations=a.group_size,
-                     generation_batch_size=n, num_iterations=1, max_completion_length=a.new_tokens,
-                     learning_rate=1e-6, beta=a.beta, loss_type="grpo", epsilon=0.2, temperature=1.0, top_p=1.0, top_k=0,
-                     max_steps=a.steps, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                     gradient_accumulation_steps=1, disable_dropout=True, seed=1, dataloader_num_workers=0,
-                     gradient_checkpointing=a.gradient_checkpointing)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=reward, args=cfg, train_dataset=ds,
-                          processing_class=tok, callbacks=[Timer()])
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=n,
+        num_generations=a.group_size,
+        generation_batch_size=n,
+        num_iterations=1,
+        max_completion_length=a.new_tokens,
+        learning_rate=1e-6,
+        beta=a.beta,
+        loss_type="grpo",
+        epsilon=0.2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_steps=a.steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_accumulation_steps=1,
+        disable_dropout=True,
+        seed=1,
+        dataloader_num_workers=0,
+        gradient_checkpointing=a.gradient_checkpointing,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
     trainer.train()
     return statistics.median(times[a.warmup :])
 
@@ -109,7 +173,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=0, help="grpo.py --micro-batch-size (0: grpo.py's default)")
     p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's default is on, ours off)")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="on both sides (TRL's default is on, ours off)"
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternate the sides this many times")
@@ -131,11 +197,15 @@ def main() -> None:
 
     med = [statistics.median(r[k] for r in rows) for k in range(len(rows[0]))]
     head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline | baseline / TRL |" if a.baseline else "")
-    lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
-             f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
-             f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
-             f"grpo.py micro-batches: {f'--micro-batch-size {a.micro_batch}' if a.micro_batch else 'its defaults'}",
-             "", head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
+        f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
+        f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
+        f"grpo.py micro-batches: {f'--micro-batch-size {a.micro_batch}' if a.micro_batch else 'its defaults'}",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for name, r in [*((f"round {k + 1}", r) for k, r in enumerate(rows)), ("**median s/step**", med)]:
         extra = f" {r[2]:.3f} | {r[2] / r[1]:.2f} |" if a.baseline else ""
         lines.append(f"| {name} | {r[0]:.3f} | {r[1]:.3f} | {r[0] / r[1]:.2f} |" + extra)

@@ -55,9 +55,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
 
     @staticmethod
-    def forward(
-        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int, kernel: str
-    ):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int, kernel: str):
         if kernel == "triton":  # fused forward; the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
@@ -177,7 +175,10 @@ def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     *average* over ranks is then exactly the gradient of the global mean. One all-reduce, no host sync.
     """
     counts = torch.stack(
-        [sum(m.sum() for m in masks).float(), torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device)]
+        [
+            sum(m.sum() for m in masks).float(),
+            torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device),
+        ]
     )
     world = 1
     if dist.is_available() and dist.is_initialized():

@@ -22,7 +22,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-REFLECTION_WORDS = ("wait", "however", "but", "let me check", "let me verify", "re-evaluate", "recheck", "mistake", "alternatively", "double-check")
+REFLECTION_WORDS = (
+    "wait",
+    "however",
+    "but",
+    "let me check",
+    "let me verify",
+    "re-evaluate",
+    "recheck",
+    "mistake",
+    "alternatively",
+    "double-check",
+)
 _REFLECTION = re.compile(r"\b(" + "|".join(re.escape(w) for w in REFLECTION_WORDS) + r")\b", re.IGNORECASE)
 _WORD = re.compile(r"\w+|[^\w\s]")
 _PATTERNS = {w: re.compile(r"\b" + re.escape(w) + r"\b", re.IGNORECASE) for w in REFLECTION_WORDS}

@@ -110,7 +110,9 @@ def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | 
         return _last_boxed(text, limit) or None
     if answer_format == "answer-tag":  # the last <answer>...</answer>; a box inside wins (understand-r1-zero)
         tags = _ANSWER_TAG.findall(text)
-        return ((_last_boxed(tags[-1], limit) if _BOX.search(tags[-1]) else _unwrap(tags[-1])) or None) if tags else None
+        return (
+            ((_last_boxed(tags[-1], limit) if _BOX.search(tags[-1]) else _unwrap(tags[-1])) or None) if tags else None
+        )
     if answer_format == "answer-line":  # math_dapo: the last match of its pattern in the last 300 characters
         lines = _DAPO_ANSWER.findall(text[-_DAPO_TAIL:])
         return (_answer_line(lines[-1], limit) or None) if lines else None

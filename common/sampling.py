@@ -390,8 +390,14 @@ class HFSampler:
         return out
 
     def _generate_batch(
-        self, model: nn.Module, device: torch.device, prompts: Sequence[Sequence[int]], n: int,
-        temperature: float, top_p: float, max_new_tokens: int,
+        self,
+        model: nn.Module,
+        device: torch.device,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
     ) -> list[Completion]:
         from transformers import GenerationConfig, LogitsProcessorList
 
@@ -406,16 +412,26 @@ class HFSampler:
         # Everything that shapes the distribution is explicit; the temporary empty model generation config
         # below keeps the checkpoint's generation_config.json (top_k, repetition_penalty, ...) out.
         config = GenerationConfig(
-            do_sample=not greedy, num_beams=1, num_return_sequences=rows, max_new_tokens=max_new_tokens,
-            temperature=1.0, top_p=1.0, top_k=0, eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id, use_cache=True, return_dict_in_generate=True,
+            do_sample=not greedy,
+            num_beams=1,
+            num_return_sequences=rows,
+            max_new_tokens=max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=True,
         )
         recorder = _ProcessedLogProbs(1.0 if greedy else temperature, 1.0 if greedy else top_p)
         saved = model.generation_config
         model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
         try:
             res = model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config,
+                input_ids=ids.to(device),
+                attention_mask=attn.to(device),
+                generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
             )
         finally:
@@ -684,7 +700,9 @@ class VLLMSampler:
             raise ValueError("empty prompt: every prompt needs at least one token")
         if self.enable_sleep_mode and self.is_sleeping():
             if not self._weights_valid:
-                raise RuntimeError("the engine slept at level 2, which discarded its weights: call update_weights first")
+                raise RuntimeError(
+                    "the engine slept at level 2, which discarded its weights: call update_weights first"
+                )
             self.wake_up()
         greedy = temperature <= 0  # vLLM requires n == 1 for greedy sampling: decode once, copy n times
         rows = 1 if greedy else n
@@ -773,8 +791,14 @@ def resolve_sampler(kind: str) -> Literal["vllm", "hf"]:
 
 
 def make_sampler(
-    kind: str, *, model: nn.Module, tokenizer: Any, model_name_or_path: str, seed: int,
-    hf_batch_size: int = 64, **vllm_kwargs: Any,
+    kind: str,
+    *,
+    model: nn.Module,
+    tokenizer: Any,
+    model_name_or_path: str,
+    seed: int,
+    hf_batch_size: int = 64,
+    **vllm_kwargs: Any,
 ) -> Sampler:
     """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
     tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine

@@ -102,7 +102,9 @@ def fused_logprobs_forward(
     two, at least 16 on a GPU (tl.dot); the defaults are untuned starting points.
     """
     if hidden2d.dim() != 2 or weight.dim() != 2 or hidden2d.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden2d.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"expected hidden [N, H] and weight [V, H], got {tuple(hidden2d.shape)} and {tuple(weight.shape)}"
+        )
     if hidden2d.dtype != weight.dtype:
         raise ValueError(f"hidden and weight dtypes differ: {hidden2d.dtype} vs {weight.dtype}")
     interpreted = not isinstance(_logprobs_fwd_kernel, triton.runtime.JITFunction)

@@ -14,7 +14,9 @@ from tests.fp_bounds import gamma
 MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
 
 
-def assert_micro_batches_add_up(compute_policy_loss, logps, old, adv, mask, args, stat_keys=(), chunks=MICRO_CHUNKS, **extra):
+def assert_micro_batches_add_up(
+    compute_policy_loss, logps, old, adv, mask, args, stat_keys=(), chunks=MICRO_CHUNKS, **extra
+):
     """The loss, its gradient and the `stat_keys` stats of the whole mini-batch equal the sums over its
     micro-batches when each gets the mini-batch's normalisers (common.loss.grad_normalizers). `extra` tensors
     ([B, ...]) are sliced like the batch. Returns the whole mini-batch's (loss, stats)."""
@@ -22,8 +24,19 @@ def assert_micro_batches_add_up(compute_policy_loss, logps, old, adv, mask, args
     loss, stats = compute_policy_loss(logps, old, adv, mask, args, **extra)
     (whole,) = torch.autograd.grad(loss, logps)
     num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
-    parts = [compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs,
-                                 **{k: v[c] for k, v in extra.items()}) for c in chunks]
+    parts = [
+        compute_policy_loss(
+            logps[c],
+            old[c],
+            adv[c],
+            mask[c],
+            args,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            **{k: v[c] for k, v in extra.items()},
+        )
+        for c in chunks
+    ]
     total = sum(p[0] for p in parts)
     (split,) = torch.autograd.grad(total, logps)
     # float64 losses of O(1) terms summed over <= 12 x T tokens: gamma_100(fp64) = 1.1e-14 of sum |terms|, < 1e-12
@@ -49,7 +62,9 @@ class TablePolicy(torch.nn.Module):
 
     def __init__(self, vocab):
         super().__init__()
-        self.theta = torch.nn.Parameter(-torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+        self.theta = torch.nn.Parameter(
+            -torch.rand(vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        )
 
     def forward(self, ids, attn, p_len, temperature):
         logps = self.theta[ids[:, p_len:]]

@@ -6,7 +6,6 @@ import os
 import sys
 
 import pytest
-
 import torch
 
 # Triton reads TRITON_INTERPRET when triton.language is first imported, and transformers imports triton at its own

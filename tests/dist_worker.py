@@ -20,7 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fixed_rollout(share: slice = slice(None), n: int = 16, p_len: int = 3, c_len: int = 6) -> tuple[dict, torch.Tensor, torch.Generator]:
+def fixed_rollout(
+    share: slice = slice(None), n: int = 16, p_len: int = 3, c_len: int = 6
+) -> tuple[dict, torch.Tensor, torch.Generator]:
     """Rows `share` of the fixed rollout every rank builds: the batch for `update_policy` (without advantages),
     the rewards of those rows, and the generator, to draw more of the same rollout."""
     g = torch.Generator().manual_seed(0)
@@ -29,7 +31,13 @@ def fixed_rollout(share: slice = slice(None), n: int = 16, p_len: int = 3, c_len
     mask = (torch.arange(c_len)[None] < lengths[:, None]).long()
     attn = torch.cat([torch.ones(n, p_len, dtype=torch.long), mask], 1)
     rewards = torch.randint(0, 2, (n,), generator=g).float()
-    batch = {"ids": ids[share], "attn": attn[share], "mask": mask[share], "p_len": p_len, "lens": [(p_len, int(k)) for k in lengths[share]]}
+    batch = {
+        "ids": ids[share],
+        "attn": attn[share],
+        "mask": mask[share],
+        "p_len": p_len,
+        "lens": [(p_len, int(k)) for k in lengths[share]],
+    }
     return batch, rewards[share], g
 
 
@@ -44,9 +52,13 @@ def main() -> None:
     overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
     mod = importlib.import_module(script)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
-    accelerator = Accelerator(cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None)
+    accelerator = Accelerator(
+        cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None
+    )
     rank, world = accelerator.process_index, accelerator.num_processes
-    args = mod.Args(group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6)
+    args = mod.Args(
+        group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6
+    )
     for k, v in overrides.items():
         setattr(args, k, type(getattr(args, k))(v))
 
@@ -57,16 +69,24 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # as the scripts set it
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=micro, train_batch_size=micro * world, gradient_accumulation_steps=1,
-            gradient_clipping=args.max_grad_norm, zero_allow_untested_optimizer=True)
+            train_micro_batch_size_per_gpu=micro,
+            train_batch_size=micro * world,
+            gradient_accumulation_steps=1,
+            gradient_clipping=args.max_grad_norm,
+            zero_allow_untested_optimizer=True,
+        )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     names = [k for k, _ in accelerator.unwrap_model(policy).lm.named_parameters()]
-    before = {k: v.clone() for k, v in (accelerator.get_state_dict(policy) or {}).items()}  # full, on rank 0 (ZeRO-3: gathered)
+    before = {
+        k: v.clone() for k, v in (accelerator.get_state_dict(policy) or {}).items()
+    }  # full, on rank 0 (ZeRO-3: gathered)
     if deepspeed:  # the vLLM weight push under ZeRO-3: every rank gets the full tensors under the checkpoint's names
         from common.sampling import iter_weight_buckets
         from tests.test_sampling import _assert_matches_checkpoint, _checkpoint, _flatten
 
-        _assert_matches_checkpoint(_flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir))
+        _assert_matches_checkpoint(
+            _flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir)
+        )
     n = 16
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
@@ -78,7 +98,10 @@ def main() -> None:
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
         tag = ("_zero3" if deepspeed else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
-        torch.save({"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)}, os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"))
+        torch.save(
+            {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
+            os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"),
+        )
     accelerator.wait_for_everyone()
 
 

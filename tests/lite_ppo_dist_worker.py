@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def rewards_of_the_rollout() -> torch.Tensor:
     # rank 0's half is mostly right, rank 1's half mostly wrong, so their local stds differ from the global one
     return torch.tensor(
-        [1, 1, 1, 0, 1, 1, 1, 1, 1, 0.5, 1, 0,
-         0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0.25, 0],
+        [1, 1, 1, 0, 1, 1, 1, 1, 1, 0.5, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0.25, 0],
         dtype=torch.float64,
     )
 
@@ -45,7 +44,10 @@ def main() -> None:
     locals_ = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(locals_, local)
     if rank == 0:
-        torch.save({"world_size": world, "advantages": torch.cat(gathered), "local": torch.cat(locals_), "rewards": rewards}, out_file)
+        torch.save(
+            {"world_size": world, "advantages": torch.cat(gathered), "local": torch.cat(locals_), "rewards": rewards},
+            out_file,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

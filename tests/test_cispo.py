@@ -13,8 +13,8 @@ import torch
 
 import cispo
 import grpo
-from tests.reference import aggregate, group_advantages
 from tests.checks import assert_micro_batches_add_up
+from tests.reference import aggregate, group_advantages
 
 
 def make_args(**kw):
@@ -62,7 +62,13 @@ def test_advantages_match_reference():
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"eps_max": 2.0}, {"cispo_form": "minimax"}, {"cispo_form": "minimax", "is_eps_high": 0.28, "is_eps_low": 0.5}]
+    "kw",
+    [
+        {},
+        {"eps_max": 2.0},
+        {"cispo_form": "minimax"},
+        {"cispo_form": "minimax", "is_eps_high": 0.28, "is_eps_low": 0.5},
+    ],
 )
 def test_policy_loss_value_and_gradient_match_reference(kw):
     args = make_args(**kw)
@@ -180,7 +186,9 @@ def test_micro_batches_sum_to_the_mini_batch_gradient():
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = cispo.compute_advantages(rewards, args)
-    assert_micro_batches_add_up(cispo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("cap_frac", "is_weight_mean", "approx_kl"))
+    assert_micro_batches_add_up(
+        cispo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("cap_frac", "is_weight_mean", "approx_kl")
+    )
 
 
 def test_filter_groups_keeps_groups_with_some_but_not_all_correct():
@@ -196,7 +204,11 @@ def test_filter_groups_keeps_groups_with_some_but_not_all_correct():
 
 def test_defaults_are_the_papers():
     a = cispo.Args()
-    assert (a.cispo_form, a.eps_max, a.is_eps_low) == ("scalerl", 5.0, None)  # ScaleRL cap, no lower bound (MiniMax, ScaleRL)
+    assert (a.cispo_form, a.eps_max, a.is_eps_low) == (
+        "scalerl",
+        5.0,
+        None,
+    )  # ScaleRL cap, no lower bound (MiniMax, ScaleRL)
     assert a.is_eps_high == 0.2  # MiniMax's value is unreported; verl's CISPO example
     assert not hasattr(a, "beta") and not hasattr(a, "clip_eps_low")  # no KL, no PPO clip
     assert a.num_mini_batches == 16 and a.ppo_epochs == 1  # MiniMax §3.1: 16 off-policy updates per generation batch
@@ -205,7 +217,11 @@ def test_defaults_are_the_papers():
     assert (a.dataset_name, a.dataset_config, a.prompt_template) == ("open-r1/DAPO-Math-17k-Processed", "en", "dapo")
     assert (a.group_size, a.prompts_per_step, a.learning_rate, a.max_new_tokens) == (16, 512, 1e-6, 20480)
     assert (a.temperature, a.top_p) == (1.0, 1.0)
-    assert (a.eval_temperature, a.eval_top_p, a.eval_samples) == (1.0, 0.95, 32)  # MiniMax §5: AIME x32, T 1.0, top-p 0.95
+    assert (a.eval_temperature, a.eval_top_p, a.eval_samples) == (
+        1.0,
+        0.95,
+        32,
+    )  # MiniMax §5: AIME x32, T 1.0, top-p 0.95
     assert (a.prompts_per_step * a.group_size) % a.num_mini_batches == 0
 
 
@@ -218,9 +234,15 @@ def test_overlong_penalty_is_dapos_soft_punishment_on_the_0_1_reward(l_max, l_ca
     lengths = torch.arange(0, l_max + 3)
     correct = (lengths % 2).double()
     for factor in (1.0, 0.5):
-        args = make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache, overlong_penalty=True, overlong_penalty_factor=factor)
+        args = make_args(
+            max_new_tokens=l_max, overlong_buffer_len=l_cache, overlong_penalty=True, overlong_penalty_factor=factor
+        )
         got = cispo.compute_rewards(correct, lengths, lengths >= l_max, args)
         want = [c + factor * soft_overlong(int(n), l_max, l_cache) for c, n in zip(correct.tolist(), lengths)]
-        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6)  # fp32 reward
-    off = cispo.compute_rewards(correct, lengths, lengths >= l_max, make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache))
+        torch.testing.assert_close(
+            got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6
+        )  # fp32 reward
+    off = cispo.compute_rewards(
+        correct, lengths, lengths >= l_max, make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache)
+    )
     assert off.tolist() == correct.tolist()

@@ -13,9 +13,9 @@ import torch
 
 import dapo
 import grpo
-from tests.reference import aggregate, group_advantages, ppo_clip_token
 from tests.checks import assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, gamma, group_advantage_bound
+from tests.reference import aggregate, group_advantages, ppo_clip_token
 
 
 def make_args(**kw):
@@ -49,7 +49,10 @@ def brute_groups_kept(correct: list[float], g: int) -> list[bool]:
 def brute_loss(logps, old, adv, mask, args):
     """Eq. 8: -(1 / sum_i |o_i|) sum_i sum_t min(r A, clip(r, 1-eps_low, 1+eps_high) A)."""
     per_token = [
-        [ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high) for t in range(logps.shape[1])]
+        [
+            ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+            for t in range(logps.shape[1])
+        ]
         for i in range(logps.shape[0])
     ]
     return aggregate(per_token, mask.tolist(), "token-mean")
@@ -81,9 +84,17 @@ def test_reward_is_plus_minus_one_without_the_penalty():
 @pytest.mark.parametrize("l_max,l_cache", [(20, 8), (20480, 4096), (5, 5)])
 def test_soft_overlong_punishment_matches_eq_13_at_every_length(l_max, l_cache):
     args = make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache)
-    lengths = sorted({0, 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1, l_max + 7} | set(range(min(l_max, 60))))
+    lengths = sorted(
+        {0, 1, l_max - l_cache, l_max - l_cache + 1, l_max - 1, l_max, l_max + 1, l_max + 7}
+        | set(range(min(l_max, 60)))
+    )
     for correct in (0.0, 1.0):
-        got = dapo.compute_rewards(torch.full((len(lengths),), correct), torch.tensor(lengths), torch.zeros(len(lengths), dtype=torch.bool), args)
+        got = dapo.compute_rewards(
+            torch.full((len(lengths),), correct),
+            torch.tensor(lengths),
+            torch.zeros(len(lengths), dtype=torch.bool),
+            args,
+        )
         want = [(1.0 if correct else -1.0) + soft_overlong(n, l_max, l_cache) for n in lengths]
         for n, a, b in zip(lengths, got.tolist(), want):
             # fp32: (L_max - L_cache - n) is exact, then / L_cache, x factor, +-1: 3 roundings of values <= 2
@@ -95,9 +106,19 @@ def test_soft_overlong_punishment_boundaries_and_factor():
     lengths = torch.tensor([12, 13, 16, 20, 21])
     got = dapo.compute_rewards(torch.ones(5), lengths, lengths >= 20, args)
     torch.testing.assert_close(got, torch.tensor([1.0, 1.0 - 1 / 8, 0.5, 0.0, 0.0]))
-    half = dapo.compute_rewards(torch.zeros(5), lengths, lengths >= 20, make_args(max_new_tokens=20, overlong_buffer_len=8, overlong_penalty_factor=0.5))
+    half = dapo.compute_rewards(
+        torch.zeros(5),
+        lengths,
+        lengths >= 20,
+        make_args(max_new_tokens=20, overlong_buffer_len=8, overlong_penalty_factor=0.5),
+    )
     torch.testing.assert_close(half, torch.tensor([-1.0, -1.0 - 1 / 16, -1.25, -1.5, -1.5]))
-    off = dapo.compute_rewards(torch.zeros(5), lengths, lengths >= 20, make_args(max_new_tokens=20, overlong_buffer_len=8, overlong_penalty=False))
+    off = dapo.compute_rewards(
+        torch.zeros(5),
+        lengths,
+        lengths >= 20,
+        make_args(max_new_tokens=20, overlong_buffer_len=8, overlong_penalty=False),
+    )
     assert off.tolist() == [-1.0] * 5
 
 
@@ -150,15 +171,30 @@ def test_kept_groups_have_nonzero_advantage_and_dropped_ones_zero():
 def test_advantages_match_reference():
     args = make_args()
     correct, lengths, *_ = rollout(0)
-    rewards = dapo.compute_rewards(correct, lengths, torch.zeros_like(lengths, dtype=torch.bool), make_args(max_new_tokens=6, overlong_buffer_len=4))
+    rewards = dapo.compute_rewards(
+        correct,
+        lengths,
+        torch.zeros_like(lengths, dtype=torch.bool),
+        make_args(max_new_tokens=6, overlong_buffer_len=4),
+    )
     got = dapo.compute_advantages(rewards, args)
     want = group_advantages(rewards.tolist(), 4, eps=args.adv_eps)
     assert rewards.dtype == torch.float32  # as GRPO's correct.float()
     bound = group_advantage_bound(rewards, 4, args.adv_eps, got.dtype)
     assert_within(got, torch.tensor(want, dtype=torch.float64), bound)
-    assert (got[:4] != 0).any()  # an all-correct group of unequal lengths: the punishment alone sets A (not filtered here)
+    assert (
+        got[:4] != 0
+    ).any()  # an all-correct group of unequal lengths: the punishment alone sets A (not filtered here)
     # +-1 rewards of {1, 0}-correct pairs: A = +-0.7071 exactly as GRPO's on 0/1 rewards (affine invariance)
-    two = dapo.compute_advantages(dapo.compute_rewards(torch.tensor([1.0, 0.0]), torch.ones(2), torch.zeros(2, dtype=torch.bool), make_args(group_size=2, overlong_penalty=False)), make_args(group_size=2))
+    two = dapo.compute_advantages(
+        dapo.compute_rewards(
+            torch.tensor([1.0, 0.0]),
+            torch.ones(2),
+            torch.zeros(2, dtype=torch.bool),
+            make_args(group_size=2, overlong_penalty=False),
+        ),
+        make_args(group_size=2),
+    )
     want = torch.tensor([1.0, -1.0], dtype=torch.float64) / (math.sqrt(2) + args.adv_eps)  # std of {1, -1}: sqrt 2
     assert_within(two, want, group_advantage_bound(torch.tensor([1.0, -1.0]), 2, args.adv_eps, two.dtype))
 
@@ -204,7 +240,14 @@ def test_on_policy_gradient_is_token_mean_not_sequence_mean():
     ours = dapo.compute_policy_loss(logps2, old, adv2, mask2, make_args())[0].item()
     theirs = grpo.compute_policy_loss(logps2, old, adv2, mask2, g_args)[0].item()
     assert abs(ours - theirs) > 1e-3
-    seq_mean = aggregate([[ppo_clip_token(logps2[i, t].item(), old[i, t].item(), adv2[i].item(), 0.2, 0.28) for t in range(6)] for i in range(12)], mask2.tolist(), "seq-mean-token-mean")
+    seq_mean = aggregate(
+        [
+            [ppo_clip_token(logps2[i, t].item(), old[i, t].item(), adv2[i].item(), 0.2, 0.28) for t in range(6)]
+            for i in range(12)
+        ],
+        mask2.tolist(),
+        "seq-mean-token-mean",
+    )
     assert abs(theirs - seq_mean) < 1e-12 and abs(ours - seq_mean) > 1e-3
 
 
@@ -222,7 +265,9 @@ def test_clip_higher_is_asymmetric():
     assert grad[0, 0] < 0 and grad[0, 1] == 0 and grad[0, 2] < 0  # A > 0: clipped only above 1.28
     assert grad[1, 0] > 0 and grad[1, 1] == 0  # A < 0: clipped only below 0.8
     assert grad[1, 2] > 0  # A < 0 and r > 1: min() keeps the unclipped term, never clipped above
-    assert stats["clip_frac_high"].item() == pytest.approx(1 / 6) and stats["clip_frac_low"].item() == pytest.approx(1 / 6)
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 6) and stats["clip_frac_low"].item() == pytest.approx(
+        1 / 6
+    )
     sym = make_args(clip_eps_high=0.2)
     (g_sym,) = torch.autograd.grad(dapo.compute_policy_loss(logps, old, adv, mask, sym)[0], logps)
     assert g_sym[0, 0] == 0  # the symmetric clip stops r = 1.25
@@ -232,14 +277,24 @@ def test_micro_batches_sum_to_the_mini_batch_gradient():
     args = make_args()
     correct, _, mask, old, logps = rollout(2)
     adv = dapo.compute_advantages(correct * 2 - 1, args)
-    assert_micro_batches_add_up(dapo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
+    assert_micro_batches_add_up(
+        dapo.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"),
+    )
 
 
 def test_a_fully_masked_mini_batch_gives_zero_not_nan():
     args = make_args()
     logps = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
     mask = torch.zeros(2, 3)
-    loss, stats = dapo.compute_policy_loss(logps, logps.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), mask, args, num_tokens=torch.tensor(0.0))
+    loss, stats = dapo.compute_policy_loss(
+        logps, logps.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), mask, args, num_tokens=torch.tensor(0.0)
+    )
     (grad,) = torch.autograd.grad(loss, logps)
     assert loss.item() == 0 and (grad == 0).all() and all(torch.isfinite(v) for v in stats.values())
 
@@ -274,14 +329,29 @@ def test_defaults_are_the_papers():
     a = dapo.Args()
     assert not hasattr(a, "beta")  # no KL, no reference model (§2.3)
     assert (a.clip_eps_low, a.clip_eps_high) == (0.2, 0.28)  # §4.1
-    assert (a.group_size, a.prompts_per_step, a.num_mini_batches, a.ppo_epochs) == (16, 512, 16, 1)  # 16 updates of 32 prompts
+    assert (a.group_size, a.prompts_per_step, a.num_mini_batches, a.ppo_epochs) == (
+        16,
+        512,
+        16,
+        1,
+    )  # 16 updates of 32 prompts
     assert (a.learning_rate, a.warmup_steps) == (1e-6, 20 * 16)  # warm-up over 20 rollout steps
-    assert (a.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty, a.overlong_penalty_factor) == (20480, 4096, True, 1.0)
+    assert (a.max_new_tokens, a.overlong_buffer_len, a.overlong_penalty, a.overlong_penalty_factor) == (
+        20480,
+        4096,
+        True,
+        1.0,
+    )
     assert a.max_new_tokens - a.overlong_buffer_len == 16384  # the expected maximum length
     assert (a.dynamic_sampling, a.max_gen_batches, a.overlong_filtering) == (True, 10, False)
     assert (a.temperature, a.top_p, a.weight_decay, a.max_grad_norm, a.max_prompt_tokens) == (1.0, 1.0, 0.1, 1.0, 2048)
     assert (a.dataset_name, a.dataset_config, a.prompt_column, a.answer_column, a.prompt_template) == (
-        "open-r1/DAPO-Math-17k-Processed", "en", "prompt", "solution", "dapo")
+        "open-r1/DAPO-Math-17k-Processed",
+        "en",
+        "prompt",
+        "solution",
+        "dapo",
+    )
     assert (a.eval_samples, a.eval_temperature, a.eval_top_p, a.eval_max_new_tokens) == (32, 1.0, 0.7, 20480)
     assert a.eval_datasets == ["math-ai/aime24"]
 
@@ -331,7 +401,13 @@ def test_dynamic_sampling_metrics_and_resume_replays_the_data(toy_assets, tmp_pa
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(resumed, rows):  # tolerance: see test_scripts.py::test_resume_continues_where_it_stopped
-        for key in ("train/reward_mean", "train/gen_rounds", "train/train_groups", "train/kept_group_frac", "train/loss"):
+        for key in (
+            "train/reward_mean",
+            "train/gen_rounds",
+            "train/train_groups",
+            "train/kept_group_frac",
+            "train/loss",
+        ):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
 

@@ -56,7 +56,9 @@ def brute_daro_loss(logps, old, adv, mask, bucket, weights, args):
         present.add(c)
         for t in range(logps.shape[1]):
             if mask[i, t]:
-                tok = ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+                tok = ppo_clip_token(
+                    logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high
+                )
                 sums[c] = sums.get(c, 0.0) + tok
     return sum(weights[c] * sums.get(c, 0.0) / total_tokens - math.log(weights[c]) for c in present)
 
@@ -132,7 +134,15 @@ def test_policy_loss_value_and_gradient_match_reference(weights):
     total = mask.sum().item()
     for c in range(1, G):
         sel = [i for i in range(len(bucket)) if bucket[i] == c]
-        want_l = sum(ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2) for i in sel for t in range(6) if mask[i, t]) / total
+        want_l = (
+            sum(
+                ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2)
+                for i in sel
+                for t in range(6)
+                if mask[i, t]
+            )
+            / total
+        )
         assert abs(stats[f"daro_L_{c / G:.4g}"].item() - want_l) < 1e-12
         assert abs(stats[f"daro_M_{c / G:.4g}"].item() - brute_mass(adv, mask, bucket, G)[c]) < 1e-12
         assert stats[f"daro_w_{c / G:.4g}"].item() == pytest.approx(w[c], abs=1e-12)
@@ -146,7 +156,10 @@ def test_unit_weights_give_token_mean_grpo():
     rewards, mask, old, logps = rollout(2)
     adv = daro.compute_advantages(rewards, args)
     loss, _ = daro.compute_policy_loss(logps, old, adv, mask, args, bucket=daro.pass_rate_bucket(rewards, args))
-    per_token = [[ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2) for t in range(6)] for i in range(24)]
+    per_token = [
+        [ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), 0.2, 0.2) for t in range(6)]
+        for i in range(24)
+    ]
     assert abs(loss.item() - aggregate(per_token, mask.tolist(), "token-mean")) < 1e-12
 
 
@@ -171,7 +184,9 @@ def test_all_correct_and_all_wrong_groups_get_no_weight_and_no_loss():
     state = daro.DaroWeights(args)
     mass, seqs, _ = daro.bucket_mass(adv[:8], bucket[:8], mask[:8], args)
     assert (mass == 0).all() and (seqs == 0).all()
-    state.step(torch.full((G + 1,), 0.01, dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))  # even if told otherwise
+    state.step(
+        torch.full((G + 1,), 0.01, dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool)
+    )  # even if told otherwise
     assert state.weights()[0] == 1 and state.weights()[G] == 1 and (state.weights()[1:G] > 1).all()
 
 
@@ -204,8 +219,21 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
     chunks = [perm[:5], perm[5:7], perm[7:16], perm[16:]]
     num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
     mass, seqs, onpolicy = daro.bucket_mass(adv, bucket, mask, args, num_tokens)
-    parts = [daro.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args, num_tokens=num_tokens, num_seqs=num_seqs,
-                                      bucket=bucket[c], weights=w, bucket_seqs=seqs) for c in chunks]
+    parts = [
+        daro.compute_policy_loss(
+            logps[c],
+            old[c],
+            adv[c],
+            mask[c],
+            args,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            bucket=bucket[c],
+            weights=w,
+            bucket_seqs=seqs,
+        )
+        for c in chunks
+    ]
     total = sum(p[0] for p in parts)
     (split,) = torch.autograd.grad(total, logps)
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
@@ -218,7 +246,9 @@ def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
     torch.testing.assert_close(summed, torch.stack([mass, seqs, onpolicy]), rtol=0, atol=1e-12)
     want_onpolicy = torch.tensor(brute_onpolicy_loss(adv, mask, bucket, G), dtype=torch.float64)
     torch.testing.assert_close(onpolicy, want_onpolicy, rtol=0, atol=1e-12)
-    torch.testing.assert_close(mass, torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        mass, torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64), rtol=0, atol=1e-12
+    )
     assert seqs.tolist() == [0, 4, 8, 4, 0]
 
 
@@ -301,7 +331,14 @@ def test_update_policy_steps_the_weights_then_uses_them(given):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50, (24, 2 + 6), generator=gen)
     attn = torch.cat([torch.ones(24, 2, dtype=torch.long), mask], 1)
-    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": 2, "advantages": adv, "lens": [(2, int(k)) for k in mask.sum(1)]}
+    batch = {
+        "ids": ids,
+        "attn": attn,
+        "mask": mask,
+        "p_len": 2,
+        "advantages": adv,
+        "lens": [(2, int(k)) for k in mask.sum(1)],
+    }
     state = daro.DaroWeights(args)
     if given:
         state.step(torch.tensor([0.0, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))
@@ -353,7 +390,9 @@ def test_weights_are_checkpointed_and_resumed(toy_assets, tmp_path):
     run_script("daro", toy_flags(toy_assets, full, 4, **{"exp-name": "a"}))
     run_script("daro", toy_flags(toy_assets, part, 2, **{"exp-name": "a"}))
     (run_dir,) = glob.glob(os.path.join(part, "a__*"))
-    saved = torch.load(os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False)
+    saved = torch.load(
+        os.path.join(run_dir, "checkpoints", "step_2", "state", "custom_checkpoint_0.pkl"), weights_only=False
+    )
     last = [r for r in read_metrics(run_dir) if "train/daro_w_0.5" in r][-1]  # the w used in the last update
     # fp64 exp(log_w) times token shares that add up to 1 within gamma_8(fp64), logged after one rounding to fp32:
     # relative error <= u32 + gamma_8(fp64) < 2 u32 (it differs from the saved w by 3.6e-8 = 0.6 u32 here)

@@ -33,15 +33,48 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
     if zero3:  # accelerate's DeepSpeed launcher, as a user runs configs/zero3.yaml, on CPU
         ds = os.path.join(out_dir, "ds.json")  # persistence threshold 0: every parameter really is partitioned
         with open(ds, "w") as f:
-            json.dump({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                             "stage3_prefetch_bucket_size": 0, "stage3_gather_16bit_weights_on_model_save": True}, "train_micro_batch_size_per_gpu": "auto",
-                       "train_batch_size": "auto", "gradient_accumulation_steps": 1, "gradient_clipping": "auto"}, f)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file", ds,
-               "--num_processes", str(procs), "--main_process_port", str(free_port()), WORKER]
+            json.dump(
+                {
+                    "zero_optimization": {
+                        "stage": 3,
+                        "stage3_param_persistence_threshold": 0,
+                        "stage3_max_reuse_distance": 0,
+                        "stage3_prefetch_bucket_size": 0,
+                        "stage3_gather_16bit_weights_on_model_save": True,
+                    },
+                    "train_micro_batch_size_per_gpu": "auto",
+                    "train_batch_size": "auto",
+                    "gradient_accumulation_steps": 1,
+                    "gradient_clipping": "auto",
+                },
+                f,
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--use_deepspeed",
+            "--deepspeed_config_file",
+            ds,
+            "--num_processes",
+            str(procs),
+            "--main_process_port",
+            str(free_port()),
+            WORKER,
+        ]
     elif procs == 1:
         cmd = [sys.executable, WORKER]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(free_port()), WORKER]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(procs),
+            "--master_port",
+            str(free_port()),
+            WORKER,
+        ]
     extra = [f"{k}={v}" for k, v in overrides.items()]
     subprocess.run(cmd + [script, str(out_dir), model, str(micro), *extra], check=True, cwd=ROOT, env=env, timeout=300)
     tag = ("_zero3" if zero3 else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
@@ -110,10 +143,29 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
     """Each script under `accelerate launch --use_deepspeed --zero_stage 3` on 2 CPU processes, with a ZeRO-3
     sharded reference model: one run directory, real updates, and a checkpoint with the full weights."""
     pytest.importorskip("deepspeed")
-    flags = toy_flags(toy_assets, str(tmp_path), 2, **{"save-every": 2, "exp-name": "z3", "micro-batch-size": 16},
-                      **({"beta": 0.01} if script == "grpo" else {}))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3", "--zero3_save_16bit_model", "true",
-           "--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, f"{script}.py"), *flags]
+    flags = toy_flags(
+        toy_assets,
+        str(tmp_path),
+        2,
+        **{"save-every": 2, "exp-name": "z3", "micro-batch-size": 16},
+        **({"beta": 0.01} if script == "grpo" else {}),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--use_deepspeed",
+        "--zero_stage",
+        "3",
+        "--zero3_save_16bit_model",
+        "true",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(ROOT, f"{script}.py"),
+        *flags,
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -124,7 +176,9 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
 
     saved = load_file(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
     initial = load_file(os.path.join(toy_assets["model"], "model.safetensors"))
-    assert set(saved) == set(initial) and all(saved[k].shape == initial[k].shape for k in initial)  # gathered, not shards
+    assert set(saved) == set(initial) and all(
+        saved[k].shape == initial[k].shape for k in initial
+    )  # gathered, not shards
     assert any(not torch.equal(saved[k], initial[k]) for k in initial)  # the updates reached the saved weights
 
 

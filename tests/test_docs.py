@@ -37,8 +37,14 @@ def documented_key(key: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_metric_key_is_in_the_readme(script, toy_assets, tmp_path):
-    extra = {"eval-every": 1, "eval-datasets": toy_assets["test"], "eval-prompt-column": "question", "eval-answer-column": "answer",
-             "eval-limit": 4, "eval-max-new-tokens": 2}
+    extra = {
+        "eval-every": 1,
+        "eval-datasets": toy_assets["test"],
+        "eval-prompt-column": "question",
+        "eval-answer-column": "answer",
+        "eval-limit": 4,
+        "eval-max-new-tokens": 2,
+    }
     run_script(script, toy_flags(toy_assets, str(tmp_path), 2, **extra))
     (run_dir,) = glob.glob(os.path.join(tmp_path, f"{script}__*"))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -9,9 +9,9 @@ import torch
 
 import dr_grpo
 import grpo
-from tests.reference import ppo_clip_token
 from tests.checks import assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, group_advantage_bound
+from tests.reference import ppo_clip_token
 
 L_MAX = 8  # the generation budget in these tests (longer than any completion below)
 
@@ -49,7 +49,9 @@ def brute_loss(logps, old, adv, mask, args) -> float:
     for i in range(n):
         for t in range(logps.shape[1]):
             if mask[i, t]:
-                total += ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+                total += ppo_clip_token(
+                    logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high
+                )
     return total / (n * args.max_new_tokens)
 
 
@@ -79,7 +81,9 @@ def test_advantages_have_no_difficulty_reweighting():
     torch.testing.assert_close(adv[7], torch.tensor(-7 / 8, dtype=torch.float64))
     torch.testing.assert_close(adv[8], torch.tensor(7 / 8, dtype=torch.float64))
     rewards, *_ = rollout(3)
-    torch.testing.assert_close(dr_grpo.compute_advantages(3 * rewards + 5, make_args()), 3 * dr_grpo.compute_advantages(rewards, make_args()))
+    torch.testing.assert_close(
+        dr_grpo.compute_advantages(3 * rewards + 5, make_args()), 3 * dr_grpo.compute_advantages(rewards, make_args())
+    )
 
 
 def test_policy_loss_value_and_gradient_match_reference():
@@ -172,7 +176,15 @@ def test_micro_batches_sum_to_the_mini_batch_loss_and_gradient():
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = dr_grpo.compute_advantages(rewards, args)
-    assert_micro_batches_add_up(dr_grpo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
+    assert_micro_batches_add_up(
+        dr_grpo.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"),
+    )
 
 
 def test_reference_log_probs_are_ignored():
@@ -206,4 +218,9 @@ def test_truncated_completions_get_reward_zero():
     assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
     keep = dr_grpo.Args(max_new_tokens=8, truncated_reward="keep")
     assert dr_grpo.compute_rewards(correct, lengths, truncated, keep).tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert grpo.compute_rewards(correct, lengths, truncated, grpo.Args()).tolist() == [1.0, 1.0, 0.0, 0.0]  # GRPO keeps it
+    assert grpo.compute_rewards(correct, lengths, truncated, grpo.Args()).tolist() == [
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]  # GRPO keeps it

@@ -52,7 +52,9 @@ def brute_loss(logps, old, adv, mask, args, ref=None):
     for i in range(logps.shape[0]):
         row = []
         for t in range(logps.shape[1]):
-            v = ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+            v = ppo_clip_token(
+                logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high
+            )
             if args.beta > 0:
                 v += args.beta * k3(logps[i, t].item(), ref[i, t].item())
             row.append(v)
@@ -74,7 +76,9 @@ def test_policy_loss_value_and_gradient_match_reference(beta):
     for i, t in [(4, 0), (5, 1), (8, 2), (11, 0), (6, 3)]:
         bumped = logps.detach().clone()
         bumped[i, t] += eps
-        fd = (brute_loss(bumped, old, adv, mask, args, ref) - brute_loss(logps.detach(), old, adv, mask, args, ref)) / eps
+        fd = (
+            brute_loss(bumped, old, adv, mask, args, ref) - brute_loss(logps.detach(), old, adv, mask, args, ref)
+        ) / eps
         assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
     assert (grad[mask == 0] == 0).all()
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):
@@ -112,7 +116,16 @@ def test_micro_batches_sum_to_the_mini_batch_gradient():
     args = make_args(beta=0.04)
     rewards, mask, old, logps, ref = rollout(2)
     adv = grpo.compute_advantages(rewards, args)
-    assert_micro_batches_add_up(grpo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl", "kl_ref"), ref_logps=ref)
+    assert_micro_batches_add_up(
+        grpo.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl", "kl_ref"),
+        ref_logps=ref,
+    )
 
 
 def test_defaults_are_the_papers():
@@ -134,15 +147,26 @@ def test_update_policy_canary_is_the_mean_sampler_gap_before_any_step(tokens):
     policy = TablePolicy(30)
     gap = torch.rand(n, c_len, generator=g, dtype=torch.float64)
     sampler = policy.theta.detach()[ids[:, p_len:]] + gap  # the trainer's log-probs plus a known gap
-    batch = {"ids": ids, "attn": attn, "mask": mask, "p_len": p_len, "advantages": torch.randn(n, generator=g, dtype=torch.float64),
-             "lens": [(p_len, int(k)) for k in lengths], "sampler_logps": sampler,
-             "old_logps": policy.theta.detach()[ids[:, p_len:]]}
-    args = grpo.Args(beta=0.0, ppo_epochs=2, num_mini_batches=2, micro_batch_size=3, micro_batch_tokens=tokens, max_grad_norm=1e9)
+    batch = {
+        "ids": ids,
+        "attn": attn,
+        "mask": mask,
+        "p_len": p_len,
+        "advantages": torch.randn(n, generator=g, dtype=torch.float64),
+        "lens": [(p_len, int(k)) for k in lengths],
+        "sampler_logps": sampler,
+        "old_logps": policy.theta.detach()[ids[:, p_len:]],
+    }
+    args = grpo.Args(
+        beta=0.0, ppo_epochs=2, num_mini_batches=2, micro_batch_size=3, micro_batch_tokens=tokens, max_grad_norm=1e9
+    )
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = policy.theta.detach().clone()
     sums, _, skipped = grpo.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
-    first = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003))[: n // 2]  # epoch 0, mini-batch 0
+    first = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003))[
+        : n // 2
+    ]  # epoch 0, mini-batch 0
     want = gap[first][mask[first].bool()]
     assert skipped == 0 and not torch.equal(policy.theta.detach(), before)  # the policy did move afterwards
     torch.testing.assert_close(sums["logprob_diff_mean"], want.mean(), rtol=1e-12, atol=1e-12)

@@ -14,8 +14,8 @@ import torch
 
 import grpo
 import gspo
-from tests.reference import group_advantages
 from tests.checks import assert_micro_batches_add_up
+from tests.reference import group_advantages
 
 
 def make_args(**kw):
@@ -67,7 +67,9 @@ def test_advantages_match_reference():
     assert (got[:4] == 0).all()
 
 
-@pytest.mark.parametrize("eps_low,eps_high,near", [(3e-4, 4e-4, 1e-4), (3e-4, 4e-4, 3e-5), (0.2, 0.2, 1e-4), (0.05, 0.1, 1e-4)])
+@pytest.mark.parametrize(
+    "eps_low,eps_high,near", [(3e-4, 4e-4, 1e-4), (3e-4, 4e-4, 3e-5), (0.2, 0.2, 1e-4), (0.05, 0.1, 1e-4)]
+)
 def test_policy_loss_value_and_gradient_match_sequence_level_reference(eps_low, eps_high, near):
     args = make_args(clip_eps_low=eps_low, clip_eps_high=eps_high)
     rewards, mask, old, logps = rollout(1, near=near)
@@ -180,7 +182,13 @@ def test_ratio_is_length_normalised():
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
     geo = (2.0 * 0.5 * 4.0) ** (1 / 3)
     for row in (0, 1):
-        loss, _ = gspo.compute_policy_loss(logps[row : row + 1], old[row : row + 1], torch.tensor([-1.0], dtype=torch.float64), mask[row : row + 1], args)
+        loss, _ = gspo.compute_policy_loss(
+            logps[row : row + 1],
+            old[row : row + 1],
+            torch.tensor([-1.0], dtype=torch.float64),
+            mask[row : row + 1],
+            args,
+        )
         assert loss.item() == pytest.approx(geo, rel=1e-12)
         assert loss.item() != pytest.approx(4.0)  # the unnormalised sequence ratio
 
@@ -189,7 +197,15 @@ def test_micro_batches_sum_to_the_mini_batch_gradient_and_stats():
     args = make_args(clip_eps_low=0.05, clip_eps_high=0.1)
     rewards, mask, old, logps = rollout(2, near=0.02, far=0.2)
     adv = gspo.compute_advantages(rewards, args)
-    _, stats = assert_micro_batches_add_up(gspo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("seq_clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl"))
+    _, stats = assert_micro_batches_add_up(
+        gspo.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("seq_clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl"),
+    )
     assert 0 < stats["seq_clip_frac"].item() < 1
 
 
@@ -199,6 +215,15 @@ def test_defaults_are_the_papers():
     assert a.num_mini_batches == 4 and a.ppo_epochs == 1  # GSPO §5.1: four mini-batches per rollout batch
     assert not hasattr(a, "beta")  # no KL, no reference model
     g = grpo.Args()  # the paper gives no model/data/G/lr/length: grpo.py's
-    for k in ("model_name_or_path", "dataset_name", "group_size", "prompts_per_step", "learning_rate", "max_new_tokens", "temperature", "adv_eps"):
+    for k in (
+        "model_name_or_path",
+        "dataset_name",
+        "group_size",
+        "prompts_per_step",
+        "learning_rate",
+        "max_new_tokens",
+        "temperature",
+        "adv_eps",
+    ):
         assert getattr(a, k) == getattr(g, k), k
     assert (a.prompts_per_step * a.group_size) % a.num_mini_batches == 0

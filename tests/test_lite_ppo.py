@@ -14,8 +14,8 @@ import torch
 
 import grpo
 import lite_ppo
-from tests.reference import ppo_clip_token
 from tests.checks import assert_micro_batches_add_up
+from tests.reference import ppo_clip_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +55,9 @@ def brute_loss(logps, old, adv, mask, args) -> float:
     for i in range(logps.shape[0]):
         for t in range(logps.shape[1]):
             if mask[i, t]:
-                total += ppo_clip_token(logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high)
+                total += ppo_clip_token(
+                    logps[i, t].item(), old[i, t].item(), adv[i].item(), args.clip_eps_low, args.clip_eps_high
+                )
                 count += 1
     return total / count
 
@@ -69,9 +71,13 @@ def test_advantages_use_the_group_mean_and_the_batch_std():
         torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
         assert (got[:4] == 0).all()  # zero-variance group
     # a hand-computed case: rewards 1,0,0,0 | 1,1,1,1: batch mean 5/8, unbiased std sqrt(15/56)
-    adv = lite_ppo.compute_advantages(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.float64), make_args(adv_eps=0.0))
+    adv = lite_ppo.compute_advantages(
+        torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1], dtype=torch.float64), make_args(adv_eps=0.0)
+    )
     s = math.sqrt(15 / 56)
-    torch.testing.assert_close(adv, torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0, 0, 0, 0], dtype=torch.float64))
+    torch.testing.assert_close(
+        adv, torch.tensor([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0, 0, 0, 0], dtype=torch.float64)
+    )
 
 
 def test_batch_std_differs_from_group_std():
@@ -126,7 +132,9 @@ def test_on_policy_gradient_is_the_token_mean():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     loss, _ = lite_ppo.compute_policy_loss(logps, logps.detach(), adv, mask, args)
     (grad,) = torch.autograd.grad(loss, logps)
-    torch.testing.assert_close(grad, torch.tensor([[-0.2, 0, 0, 0], [0.2] * 4], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        grad, torch.tensor([[-0.2, 0, 0, 0], [0.2] * 4], dtype=torch.float64), rtol=0, atol=1e-15
+    )
     torch.testing.assert_close(loss, torch.tensor(3 / 5, dtype=torch.float64))  # -(1*1 - 1*4) / 5
     gl, _ = grpo.compute_policy_loss(logps, logps.detach(), adv, mask, grpo.Args(group_size=2, beta=0.0))
     assert not torch.allclose(torch.autograd.grad(gl, logps)[0], grad)
@@ -145,7 +153,13 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
     torch.testing.assert_close(grad[1, 1], torch.tensor(0.9 / 4, dtype=torch.float64))
     assert stats["clip_frac_high"].item() == 0.25 and stats["clip_frac_low"].item() == 0.25
     # r = 1.25 is clipped at 1 + 0.2 (no clip-higher)
-    l2, _ = lite_ppo.compute_policy_loss(torch.log(torch.tensor([[1.25]], dtype=torch.float64)).requires_grad_(True), torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), torch.ones(1, 1), args)
+    l2, _ = lite_ppo.compute_policy_loss(
+        torch.log(torch.tensor([[1.25]], dtype=torch.float64)).requires_grad_(True),
+        torch.zeros(1, 1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        torch.ones(1, 1),
+        args,
+    )
     assert l2.item() == -1.2
 
 
@@ -153,7 +167,15 @@ def test_micro_batches_sum_to_the_mini_batch_loss_and_gradient():
     args = make_args()
     rewards, mask, old, logps = rollout(4)
     adv = lite_ppo.compute_advantages(rewards, args)
-    assert_micro_batches_add_up(lite_ppo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"))
+    assert_micro_batches_add_up(
+        lite_ppo.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl"),
+    )
 
 
 def test_defaults_are_the_papers():
@@ -180,8 +202,17 @@ def test_batch_std_is_gathered_across_two_processes(tmp_path):
 
     out = tmp_path / "adv.pt"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "tests", "lite_ppo_dist_worker.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "tests", "lite_ppo_dist_worker.py"),
+        str(out),
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=300, capture_output=True)
     res = torch.load(out)
     assert res["world_size"] == 2

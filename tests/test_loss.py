@@ -103,7 +103,9 @@ def test_micro_batches_with_global_normaliser_give_the_whole_batch_gradient(mode
     chunks = [slice(0, 3), slice(3, 5), slice(5, 8)]
     num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
     assert num_tokens.item() == mask.sum().item() and num_seqs.item() == 8
-    total = sum(masked_aggregate(values[c], mask[c], mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=6) for c in chunks)
+    total = sum(
+        masked_aggregate(values[c], mask[c], mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=6) for c in chunks
+    )
     (split,) = torch.autograd.grad(total, values)
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
     # ...while normalising each micro-batch by its own counts is a different (wrong) gradient

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from common.metrics import completion_stats, distinct_ngrams, has_reflection, majority_correct, pass_at_k, repetition_rate
+from common.metrics import (
+    completion_stats,
+    distinct_ngrams,
+    has_reflection,
+    majority_correct,
+    pass_at_k,
+    repetition_rate,
+)
 
 
 @pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (4, 4, 2), (8, 1, 8), (16, 5, 4)])
@@ -59,7 +66,10 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
 
     class Scripted:
         def generate(self, prompts, n, temperature, top_p, max_new_tokens):
-            texts = {0: ["4", "4", "5", "x"], 1: ["1", "2", "2", "3"]}  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
+            texts = {
+                0: ["4", "4", "5", "x"],
+                1: ["1", "2", "2", "3"],
+            }  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
             return [Completion(token_ids=[1], text=t, truncated=False) for q in range(len(prompts)) for t in texts[q]]
 
     args = grpo.Args(eval_samples=4, prompt_template="none")  # bare answers: the "any" answer format
@@ -70,8 +80,14 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
 
 
 def test_health_metrics_language_mix_patterns_and_length_splits():
-    texts = ["Wait, 2+2 is 4. Let me check: \\boxed{4}", "答案是 \\frac{1}{2}", "我们 compute 结果 4",
-             "Alternatively, wait... 5", "4", "but but 7"]
+    texts = [
+        "Wait, 2+2 is 4. Let me check: \\boxed{4}",
+        "答案是 \\frac{1}{2}",
+        "我们 compute 结果 4",
+        "Alternatively, wait... 5",
+        "4",
+        "but but 7",
+    ]
     correct = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
     lengths = [12, 7, 5, 9, 1, 3]  # mean 37/6: long = [12, 7, 9]
     s = completion_stats(texts, correct, 3, lengths)

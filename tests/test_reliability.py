@@ -39,19 +39,38 @@ from tests.test_scripts import ROOT, read_metrics, run_script
 
 # tiny, fast settings: 16 completions of 2 tokens per step, one micro-batch, no reference model
 TINY = {
-    "prompt_column": "question", "answer_column": "answer", "prompt_template": "none", "group_size": 4,
-    "prompts_per_step": 4, "max_new_tokens": 2, "max_prompt_tokens": 32, "micro_batch_size": 64, "sampler": "hf",
-    "save_every": 0, "log_samples_every": 0, "beta": 0.0, "learning_rate": 2e-3, "total_steps": 2,
+    "prompt_column": "question",
+    "answer_column": "answer",
+    "prompt_template": "none",
+    "group_size": 4,
+    "prompts_per_step": 4,
+    "max_new_tokens": 2,
+    "max_prompt_tokens": 32,
+    "micro_batch_size": 64,
+    "sampler": "hf",
+    "save_every": 0,
+    "log_samples_every": 0,
+    "beta": 0.0,
+    "learning_rate": 2e-3,
+    "total_steps": 2,
 }
 KEYS = ("train/reward_mean", "train/response_length_mean", "train/grad_norm")
 
 
 def make_args(assets, out, **kw) -> grpo.Args:
-    return grpo.Args(**{"model_name_or_path": assets["model"], "dataset_name": assets["train"], "output_dir": str(out), **TINY, **kw})
+    return grpo.Args(
+        **{"model_name_or_path": assets["model"], "dataset_name": assets["train"], "output_dir": str(out), **TINY, **kw}
+    )
 
 
 def cli_flags(assets, out, **kw) -> list[str]:
-    flags = {"model_name_or_path": assets["model"], "dataset_name": assets["train"], "output_dir": str(out), **TINY, **kw}
+    flags = {
+        "model_name_or_path": assets["model"],
+        "dataset_name": assets["train"],
+        "output_dir": str(out),
+        **TINY,
+        **kw,
+    }
     return [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -138,8 +157,13 @@ def uninterrupted(toy_assets, tmp_path_factory) -> list[dict]:
 def start_slow(flags: list[str], log_dir) -> subprocess.Popen:
     """grpo.py at about 1 s per step, its output in log_dir/{stdout,stderr}."""
     with open(os.path.join(log_dir, "stdout"), "w") as stdout, open(os.path.join(log_dir, "stderr"), "w") as stderr:
-        return subprocess.Popen([sys.executable, "-c", SLOW_DRIVER, "1.0", os.path.join(ROOT, "grpo.py"), *flags],
-                                cwd=ROOT, env=env(), stdout=stdout, stderr=stderr)
+        return subprocess.Popen(
+            [sys.executable, "-c", SLOW_DRIVER, "1.0", os.path.join(ROOT, "grpo.py"), *flags],
+            cwd=ROOT,
+            env=env(),
+            stdout=stdout,
+            stderr=stderr,
+        )
 
 
 def logs(log_dir) -> str:
@@ -240,7 +264,9 @@ def test_resume_without_a_complete_checkpoint_is_refused(toy_assets, tmp_path):
 @pytest.mark.parametrize("column,flag", [("prompt_column", "--prompt-column"), ("answer_column", "--answer-column")])
 def test_missing_column_lists_the_available_ones(toy_assets, tmp_path, column, flag):
     out = tmp_path / "out"
-    msg = expect_exit(make_args(toy_assets, out, **{column: "nope"}), flag, "'nope'", "available", "'question'", "'answer'")
+    msg = expect_exit(
+        make_args(toy_assets, out, **{column: "nope"}), flag, "'nope'", "available", "'question'", "'answer'"
+    )
     assert not out.exists(), msg
 
 
@@ -264,7 +290,9 @@ def test_too_many_unparseable_answers_are_refused_with_count_and_examples(toy_as
     data = write_jsonl(tmp_path / "bad.jsonl", bad_answer_rows(10, 3))
     expect_exit(make_args(toy_assets, out, dataset_name=data), "--max-bad-answer-frac", "3 of 10", "'???'", "'@@'")
     assert not out.exists()
-    expect_exit(make_args(toy_assets, out, dataset_name=data, max_bad_answer_frac=0.2), "--max-bad-answer-frac", "3 of 10")
+    expect_exit(
+        make_args(toy_assets, out, dataset_name=data, max_bad_answer_frac=0.2), "--max-bad-answer-frac", "3 of 10"
+    )
     assert not out.exists()
 
 
@@ -273,7 +301,13 @@ def test_a_few_unparseable_answers_are_dropped_and_reported(toy_assets, capsys):
 
     rows = bad_answer_rows(20, 2)
     tok = AutoTokenizer.from_pretrained(toy_assets["model"])
-    prompts, golds = grpo.encode_prompts([r["question"] for r in rows], [r["answer"] for r in rows], tok, make_args(toy_assets, "unused"), "--dataset-name")
+    prompts, golds = grpo.encode_prompts(
+        [r["question"] for r in rows],
+        [r["answer"] for r in rows],
+        tok,
+        make_args(toy_assets, "unused"),
+        "--dataset-name",
+    )
     assert len(prompts) == len(golds) == 18 and "???" not in golds and "@@" not in golds
     assert "dropped 2 rows whose answer cannot be parsed" in capsys.readouterr().out
 
@@ -299,7 +333,9 @@ def test_long_prompts_are_filtered_and_counted(toy_assets, tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(toy_assets["model"])
     questions = ["1+2=", "1+2=" * 40, "3+1=", "4+4=" * 40, "0+0="]
-    prompts, golds = grpo.encode_prompts(questions, ["3", "3", "4", "8", "0"], tok, make_args(toy_assets, "unused"), "--dataset-name")
+    prompts, golds = grpo.encode_prompts(
+        questions, ["3", "3", "4", "8", "0"], tok, make_args(toy_assets, "unused"), "--dataset-name"
+    )
     assert golds == ["3", "4", "0"] and all(len(p) <= 32 for p in prompts)
     assert "dropped 2 prompts longer than --max-prompt-tokens 32" in capsys.readouterr().out
 
@@ -310,14 +346,17 @@ def test_all_prompts_too_long_names_max_prompt_tokens(toy_assets, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("kw,flag", [
-    ({"num_mini_batches": 3}, "--num-mini-batches"),  # 4 prompts x 4 completions is not divisible by 3
-    ({"temperature": 0.0}, "--temperature"),
-    ({"total_steps": 0}, "--total-steps"),  # evaluation only, but evaluation is off
-    ({"vllm_enable_sleep_mode": True}, "--vllm-enable-sleep-mode"),  # with --sampler hf
-    ({"max_new_tokens": 0}, "--max-new-tokens"),
-    ({"micro_batch_tokens": -1}, "--micro-batch-tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,flag",
+    [
+        ({"num_mini_batches": 3}, "--num-mini-batches"),  # 4 prompts x 4 completions is not divisible by 3
+        ({"temperature": 0.0}, "--temperature"),
+        ({"total_steps": 0}, "--total-steps"),  # evaluation only, but evaluation is off
+        ({"vllm_enable_sleep_mode": True}, "--vllm-enable-sleep-mode"),  # with --sampler hf
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"micro_batch_tokens": -1}, "--micro-batch-tokens"),
+    ],
+)
 def test_incompatible_flags(toy_assets, tmp_path, kw, flag):
     out = tmp_path / "out"
     expect_exit(make_args(toy_assets, out, **kw), flag)
@@ -371,8 +410,15 @@ def test_bad_input_from_the_command_line_is_one_stderr_line(toy_assets, tmp_path
         "empty-dataset": ({"dataset_name": str(tmp_path / "a_file.jsonl")}, "--dataset-name"),
     }[case]
     (tmp_path / "a_file.jsonl").write_text("")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *cli_flags(toy_assets, out, **kw)], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *cli_flags(toy_assets, out, **kw)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert flag in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -406,11 +452,16 @@ def test_non_finite_updates_are_skipped_and_the_run_stops_after_max_bad_steps(to
     monkeypatch.setattr(grpo, "compute_rewards", signal_rewards)
     monkeypatch.setattr(grpo, "compute_policy_loss", poisoned_loss(None, value))
     out = tmp_path / "out"
-    expect_exit(make_args(toy_assets, out, total_steps=6, save_every=2, max_bad_steps=3), "3 consecutive", "--max-bad-steps")
+    expect_exit(
+        make_args(toy_assets, out, total_steps=6, save_every=2, max_bad_steps=3), "3 consecutive", "--max-bad-steps"
+    )
     run_dir = run_dir_of(out)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]  # the third bad step stops the run
-    assert all(r["train/skipped_updates"] == 1 and r["train/no_signal"] == 0 and not math.isfinite(r["train/grad_norm"]) for r in rows)
+    assert all(
+        r["train/skipped_updates"] == 1 and r["train/no_signal"] == 0 and not math.isfinite(r["train/grad_norm"])
+        for r in rows
+    )
     assert_same_weights(os.path.join(run_dir, "checkpoints", "step_2", "model"), toy_assets["model"])
 
 
@@ -431,12 +482,16 @@ def test_a_few_non_finite_updates_are_skipped_then_training_goes_on(toy_assets, 
 
 
 def test_a_rollout_with_equal_rewards_in_every_group_trains_nothing(toy_assets, tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "compute_rewards", lambda correct, lengths, truncated, args: torch.zeros_like(correct, dtype=torch.float))
+    monkeypatch.setattr(
+        grpo, "compute_rewards", lambda correct, lengths, truncated, args: torch.zeros_like(correct, dtype=torch.float)
+    )
     out = tmp_path / "out"
     grpo.main(make_args(toy_assets, out, total_steps=2))
     run_dir = run_dir_of(out)
     rows = read_metrics(run_dir)
-    assert [(r["train/no_signal"], r["train/grad_norm"], r["train/skipped_updates"]) for r in rows] == [(1.0, 0.0, 0.0)] * 2
+    assert [(r["train/no_signal"], r["train/grad_norm"], r["train/skipped_updates"]) for r in rows] == [
+        (1.0, 0.0, 0.0)
+    ] * 2
     assert_same_weights(os.path.join(run_dir, "checkpoints", "step_2", "model"), toy_assets["model"])
 
 
@@ -453,19 +508,87 @@ PAYLOADS = [
     f"\\boxed{{\\text{{__import__('os').system('touch {CANARY}')}}}}",
 ]
 FRAGMENTS = [
-    "\\frac{", "\\dfrac", "\\sqrt{", "\\sqrt[3]{", "^", "_", "{", "}", "\\{", "\\}", "\\boxed{", "\\fbox{", "\\left(",
-    "\\right)", "\\left[", "\\right.", "x", "y", "=", "<", "\\le", "Answer:", "Final answer:", "**Answer:**", "$", "$$",
-    "\\(", "\\)", "\\[", "\\]", "<answer>", "</answer>", "<think>", "\n", " ", "+", "-", "*", "/", ".", ",", ":",
-    "\\pi", "\\infty", "\\cdot", "\\times", "\\text{", "\\mathrm{", "\\begin{pmatrix}", "\\end{pmatrix}", "&", "\\\\",
-    "%", "!", "9^9^9^9", "10^{10^{10^{10}}}", "99999999999999999999!", "1e308", "\\ud800", "\ud800", "π", "√2", "½",
-    "𝑥", "∞", "é", "中", "\x00", "\\", "'", '"', *PAYLOADS,
+    "\\frac{",
+    "\\dfrac",
+    "\\sqrt{",
+    "\\sqrt[3]{",
+    "^",
+    "_",
+    "{",
+    "}",
+    "\\{",
+    "\\}",
+    "\\boxed{",
+    "\\fbox{",
+    "\\left(",
+    "\\right)",
+    "\\left[",
+    "\\right.",
+    "x",
+    "y",
+    "=",
+    "<",
+    "\\le",
+    "Answer:",
+    "Final answer:",
+    "**Answer:**",
+    "$",
+    "$$",
+    "\\(",
+    "\\)",
+    "\\[",
+    "\\]",
+    "<answer>",
+    "</answer>",
+    "<think>",
+    "\n",
+    " ",
+    "+",
+    "-",
+    "*",
+    "/",
+    ".",
+    ",",
+    ":",
+    "\\pi",
+    "\\infty",
+    "\\cdot",
+    "\\times",
+    "\\text{",
+    "\\mathrm{",
+    "\\begin{pmatrix}",
+    "\\end{pmatrix}",
+    "&",
+    "\\\\",
+    "%",
+    "!",
+    "9^9^9^9",
+    "10^{10^{10^{10}}}",
+    "99999999999999999999!",
+    "1e308",
+    "\\ud800",
+    "\ud800",
+    "π",
+    "√2",
+    "½",
+    "𝑥",
+    "∞",
+    "é",
+    "中",
+    "\x00",
+    "\\",
+    "'",
+    '"',
+    *PAYLOADS,
 ]
 TIMEOUT_S = 2.0
 atom = st.one_of(st.sampled_from(FRAGMENTS), st.integers(-(10**30), 10**30).map(str), st.text(max_size=4))
 latexish = st.one_of(
     st.lists(atom, max_size=25).map("".join),
     st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 3000)).map(lambda t: t[0] * t[1]),  # long repeats
-    st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 300), st.sampled_from(FRAGMENTS)).map(lambda t: t[0] * t[1] + "x" + t[2] * t[1]),
+    st.tuples(st.sampled_from(FRAGMENTS), st.integers(1, 300), st.sampled_from(FRAGMENTS)).map(
+        lambda t: t[0] * t[1] + "x" + t[2] * t[1]
+    ),
 )
 golds = st.one_of(st.sampled_from(["7", "x^2+1", "\\frac{1}{2}", "\\sqrt{2}", "B", "(1,2)", "\\infty"]), latexish)
 
@@ -483,12 +606,19 @@ def check_scores(completions, answers):
     elapsed = time.monotonic() - t0
     assert len(scores) == len(completions)
     assert all(type(s) is float and s in (0.0, 1.0) for s in scores), scores
-    assert set(counts) == {"timeouts", "errors", "no_answer", "format_errors"} and all(isinstance(v, int) and v >= 0 for v in counts.values())
+    assert set(counts) == {"timeouts", "errors", "no_answer", "format_errors"} and all(
+        isinstance(v, int) and v >= 0 for v in counts.values()
+    )
     assert elapsed < reward_wall_bound(len(completions), TIMEOUT_S, num_kills=len(completions)), elapsed
     assert not os.path.exists(CANARY)
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 @given(pairs=st.lists(st.tuples(latexish, golds), min_size=1, max_size=3))
 def test_reward_fuzz_never_raises_is_binary_bounded_and_executes_nothing(warm_reward_pool, pairs):
     completions, answers = [p[0] for p in pairs], [p[1] for p in pairs]

@@ -159,7 +159,10 @@ def test_dead_worker_is_replaced():
     dead = reward._POOL.workers[-1]
     dead.proc.kill()
     dead.proc.wait()
-    assert score([r"\boxed{2/4}"] * 6, ["0.5"] * 6) == ([1.0] * 6, {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0})
+    assert score([r"\boxed{2/4}"] * 6, ["0.5"] * 6) == (
+        [1.0] * 6,
+        {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0},
+    )
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
@@ -207,7 +210,12 @@ def test_format_errors_are_counted():
 def test_answer_format_for_templates_and_bad_format():
     from common.reward import answer_format_for
 
-    assert [answer_format_for(t) for t in ("none", "qwen-boxed", "dapo", "r1")] == ["any", "boxed", "answer-line", "answer-tag"]
+    assert [answer_format_for(t) for t in ("none", "qwen-boxed", "dapo", "r1")] == [
+        "any",
+        "boxed",
+        "answer-line",
+        "answer-tag",
+    ]
     assert answer_format_for("r1", "boxed") == "boxed"
     with pytest.raises(ValueError, match="answer_format"):
         score(["4"], ["4"], answer_format="latex")

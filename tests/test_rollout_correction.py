@@ -85,11 +85,15 @@ def test_gradient_is_the_loop_weight_times_the_policy_gradient(script, mode):
     torch.testing.assert_close(got * mask, want * mask, rtol=0, atol=1e-12)
     # stats from the same loop: token mean, extremes over real tokens, fraction of tokens above the cap
     m = mask.bool()
-    raw = torch.tensor(loop_weights(old, rollout, mask, mode.split("-")[0] + "-truncate", math.inf), dtype=torch.float64)
+    raw = torch.tensor(
+        loop_weights(old, rollout, mask, mode.split("-")[0] + "-truncate", math.inf), dtype=torch.float64
+    )
     torch.testing.assert_close(stats["rollout_corr_weight_mean"].double(), w[m].mean(), rtol=0, atol=1e-6)
     torch.testing.assert_close(stats["rollout_corr_weight_min"].double(), w[m].min(), rtol=0, atol=1e-12)
     torch.testing.assert_close(stats["rollout_corr_weight_max"].double(), w[m].max(), rtol=0, atol=1e-12)
-    torch.testing.assert_close(stats["rollout_corr_capped_frac"].double(), (raw[m] > CAP).double().mean(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        stats["rollout_corr_capped_frac"].double(), (raw[m] > CAP).double().mean(), rtol=0, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -105,20 +109,33 @@ def test_no_mismatch_changes_nothing_and_off_ignores_the_sampler(script):
         torch.testing.assert_close((g, loss), (plain_grad, plain_loss), rtol=0, atol=1e-12)
         assert stats["rollout_corr_capped_frac"] == 0 and stats["rollout_corr_weight_min"] == 1
     for off in ("none", "auto"):
-        g, loss, stats = grad(mod, make(script, rollout_correction=off)[1], logps, old, adv, mask, rollout_logps=rollout)
+        g, loss, stats = grad(
+            mod, make(script, rollout_correction=off)[1], logps, old, adv, mask, rollout_logps=rollout
+        )
         torch.testing.assert_close((g, loss), (plain_grad, plain_loss), rtol=0, atol=1e-12)
         assert not any(k.startswith("rollout_corr") for k in stats)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "daro"])  # daro: its own micro-batch test carries buckets
+@pytest.mark.parametrize(
+    "script", [s for s in SCRIPTS if s != "daro"]
+)  # daro: its own micro-batch test carries buckets
 def test_micro_batches_add_up_with_the_correction(script, mode):
     mod, args = make(script, rollout_correction=mode)
     rewards, mask, old, logps, rollout = batch(3)
     adv = mod.compute_advantages(rewards, args)
     extra = {"ref_logps": old - 0.3} if script == "grpo" else {}
-    assert_micro_batches_add_up(mod.compute_policy_loss, logps, old, adv, mask, args,
-                                stat_keys=("rollout_corr_weight_mean", "rollout_corr_capped_frac"), rollout_logps=rollout, **extra)
+    assert_micro_batches_add_up(
+        mod.compute_policy_loss,
+        logps,
+        old,
+        adv,
+        mask,
+        args,
+        stat_keys=("rollout_corr_weight_mean", "rollout_corr_capped_frac"),
+        rollout_logps=rollout,
+        **extra,
+    )
 
 
 def test_an_explicit_mode_without_sampler_log_probs_is_an_error():
@@ -148,7 +165,9 @@ def test_hf_sampler_run_weights_are_one_in_fp32_and_auto_is_off(toy_assets, tmp_
 
     for mode in ("token-truncate", "sequence-mask", "auto"):
         out = tmp_path / mode
-        run_script("grpo", toy_flags(toy_assets, str(out), 2, **{"rollout-correction": mode, "num-mini-batches": 2, "beta": 0}))
+        run_script(
+            "grpo", toy_flags(toy_assets, str(out), 2, **{"rollout-correction": mode, "num-mini-batches": 2, "beta": 0})
+        )
         (path,) = glob.glob(str(out / "*" / "metrics.jsonl"))
         rows = [json.loads(line) for line in open(path)]
         updated = [r for r in rows if r["train/no_signal"] == 0]
@@ -157,5 +176,8 @@ def test_hf_sampler_run_weights_are_one_in_fp32_and_auto_is_off(toy_assets, tmp_
             continue
         assert updated, "no step had a signal"
         for r in updated:
-            assert abs(r["train/rollout_corr_weight_min"] - 1) < 1e-4 and abs(r["train/rollout_corr_weight_max"] - 1) < 1e-4
+            assert (
+                abs(r["train/rollout_corr_weight_min"] - 1) < 1e-4
+                and abs(r["train/rollout_corr_weight_max"] - 1) < 1e-4
+            )
             assert r["train/rollout_corr_capped_frac"] == 0

@@ -16,8 +16,6 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.fp_bounds import assert_within, log_softmax_error_bounds, unit_roundoff
-
 from common.sampling import (
     Completion,
     HFSampler,
@@ -28,6 +26,7 @@ from common.sampling import (
     unwrap_model,
     vllm_available,
 )
+from tests.fp_bounds import assert_within, log_softmax_error_bounds, unit_roundoff
 
 QUESTIONS = ["1+2=", "3+4=", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "0+0=", "4+1=4"]
 
@@ -71,7 +70,9 @@ def gloo_group():
         dist.destroy_process_group()
 
 
-def _teacher_forced_logps(model: nn.Module, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+def _teacher_forced_logps(
+    model: nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
     """log softmax(logits / T) of `completion` given `prompt`, one unpadded forward pass (float64, CPU)."""
     ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
     with torch.no_grad():
@@ -137,8 +138,12 @@ def test_hf_greedy_groups_equal_single_prompt_generate(model, tok, prompts):
         group = out[i * n : (i + 1) * n]
         assert all(c.token_ids == group[0].token_ids for c in group)
         ref = model.generate(
-            torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False,
-            max_new_tokens=max_new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )[0, len(p) :].tolist()
         assert group[0].token_ids == ref
         # greedy log-probs are log_softmax(logits), and batch position / padding does not change them
@@ -388,8 +393,10 @@ def test_vllm_missing_is_one_clear_error(monkeypatch, model, tok, toy_assets):
 def test_import_and_auto_on_cpu_do_not_import_vllm():
     """Importing common.sampling, and resolving --sampler auto on a CPU, never imports vllm (a heavy import that
     an HF-sampled run does not need)."""
-    code = ("import sys, torch, common.sampling as s; assert 'vllm' not in sys.modules; "
-            "assert torch.cuda.is_available() or s.resolve_sampler('auto') == 'hf'; assert 'vllm' not in sys.modules")
+    code = (
+        "import sys, torch, common.sampling as s; assert 'vllm' not in sys.modules; "
+        "assert torch.cuda.is_available() or s.resolve_sampler('auto') == 'hf'; assert 'vllm' not in sys.modules"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
 
@@ -406,8 +413,14 @@ def test_vllm_generate_and_weight_sync_canary(toy_assets, tok, prompts):
     weights and log-probs follow them (reload_weights path, load_weights path, and after a level-2 sleep)."""
     model = AutoModelForCausalLM.from_pretrained(toy_assets["model"], dtype=torch.float32).cuda()
     sampler = VLLMSampler(
-        toy_assets["model"], seed=0, gpu_memory_utilization=0.2, max_model_len=256, dtype="float16",
-        enable_sleep_mode=True, sleep_level=2, enforce_eager=True,
+        toy_assets["model"],
+        seed=0,
+        gpu_memory_utilization=0.2,
+        max_model_len=256,
+        dtype="float16",
+        enable_sleep_mode=True,
+        sleep_level=2,
+        enforce_eager=True,
     )
     out = sampler.generate(prompts, 3, 1.0, 1.0, 8)
     assert len(out) == len(prompts) * 3

@@ -12,7 +12,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = [s for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro") if os.path.exists(os.path.join(ROOT, f"{s}.py"))]
+SCRIPTS = [
+    s
+    for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro")
+    if os.path.exists(os.path.join(ROOT, f"{s}.py"))
+]
 # Per-script flags for the learning test (smoke values come from flags, never from code branches).
 LEARN_FLAGS: dict[str, dict] = {
     "grpo": {"beta": 0},
@@ -28,10 +32,22 @@ REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_
 
 def toy_flags(assets: dict[str, str], out: str, steps: int = 3, **extra) -> list[str]:
     flags = {
-        "model-name-or-path": assets["model"], "dataset-name": assets["train"], "prompt-column": "question",
-        "answer-column": "answer", "prompt-template": "none", "group-size": 8, "prompts-per-step": 8,
-        "max-new-tokens": 3, "max-prompt-tokens": 32, "learning-rate": 2e-3, "total-steps": steps,
-        "micro-batch-size": 64, "sampler": "hf", "output-dir": out, "save-every": 0, "log-samples-every": 1,
+        "model-name-or-path": assets["model"],
+        "dataset-name": assets["train"],
+        "prompt-column": "question",
+        "answer-column": "answer",
+        "prompt-template": "none",
+        "group-size": 8,
+        "prompts-per-step": 8,
+        "max-new-tokens": 3,
+        "max-prompt-tokens": 32,
+        "learning-rate": 2e-3,
+        "total-steps": steps,
+        "micro-batch-size": 64,
+        "sampler": "hf",
+        "output-dir": out,
+        "save-every": 0,
+        "log-samples-every": 1,
         **extra,
     }
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
@@ -39,8 +55,14 @@ def toy_flags(assets: dict[str, str], out: str, steps: int = 3, **extra) -> list
 
 def run_script(script: str, flags: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, f"{script}.py"), *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -74,9 +96,18 @@ def test_end_to_end_run_directory(script, toy_assets, tmp_path):
 def test_evaluation_only_run_reads_no_training_data(script, toy_assets, tmp_path):
     """--total-steps 0 --eval-every 1 evaluates the model (e.g. a checkpoint's model/ directory) and never opens
     --dataset-name (here a path that does not exist)."""
-    extra = {"total-steps": 0, "eval-every": 1, "eval-datasets": toy_assets["test"], "eval-prompt-column": "question",
-             "eval-answer-column": "answer", "eval-limit": 4, "eval-samples": 2, "eval-max-new-tokens": 2, "exp-name": "eval",
-             "dataset-name": str(tmp_path / "no_such_train.jsonl")}
+    extra = {
+        "total-steps": 0,
+        "eval-every": 1,
+        "eval-datasets": toy_assets["test"],
+        "eval-prompt-column": "question",
+        "eval-answer-column": "answer",
+        "eval-limit": 4,
+        "eval-samples": 2,
+        "eval-max-new-tokens": 2,
+        "exp-name": "eval",
+        "dataset-name": str(tmp_path / "no_such_train.jsonl"),
+    }
     run_script(script, toy_flags(toy_assets, str(tmp_path), **extra))
     (run_dir,) = glob.glob(os.path.join(tmp_path, "eval__*"))
     (row,) = read_metrics(run_dir)
@@ -107,8 +138,16 @@ def test_resume_continues_where_it_stopped(toy_assets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
-    flags = {"exp-name": "learn", "max-new-tokens": 2, "prompts-per-step": 16, "learning-rate": 3e-3, "total-steps": 150,
-             "micro-batch-size": 128, "log-samples-every": 0, **LEARN_FLAGS[script]}
+    flags = {
+        "exp-name": "learn",
+        "max-new-tokens": 2,
+        "prompts-per-step": 16,
+        "learning-rate": 3e-3,
+        "total-steps": 150,
+        "micro-batch-size": 128,
+        "log-samples-every": 0,
+        **LEARN_FLAGS[script],
+    }
     run_script(script, toy_flags(toy_assets, str(tmp_path), **flags), timeout=3600)  # a hang guard, not a speed
     # test: 30-160 s per script on 2 idle cores, 10x that on a shared, loaded machine (measured: gspo 556 s)
     (run_dir,) = glob.glob(os.path.join(tmp_path, "learn__*"))
@@ -131,18 +170,28 @@ def test_importing_a_script_has_no_side_effects(script, tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("group-size", "1", "--group-size"),
-    ("prompt-column", "nope", "--prompt-column"),
-    ("model-name-or-path", "/nonexistent/model", "--model-name-or-path"),
-    ("dataset-name", "/nonexistent/data.jsonl", "--dataset-name"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("group-size", "1", "--group-size"),
+        ("prompt-column", "nope", "--prompt-column"),
+        ("model-name-or-path", "/nonexistent/model", "--model-name-or-path"),
+        ("dataset-name", "/nonexistent/data.jsonl", "--dataset-name"),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_writes_nothing(flag, value, message, toy_assets, tmp_path):
     out = tmp_path / "out"
     flags = toy_flags(toy_assets, str(out), 1)
     flags[flags.index(f"--{flag}") + 1] = value
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr.strip().splitlines()[-1]
     assert not out.exists()
@@ -153,6 +202,7 @@ def _vllm_ready() -> bool:
         import torch
 
         from common.sampling import vllm_available
+
         return torch.cuda.is_available() and vllm_available()
     except Exception:  # noqa: BLE001
         return False
@@ -164,7 +214,12 @@ def _vllm_ready() -> bool:
 def test_multi_step_run_with_vllm(script, toy_assets, tmp_path):
     """GPU only (never run yet, see README "GPU status"): a few steps with the vLLM sampler; the log-prob
     canary stays small, i.e. the engine follows the trained weights."""
-    run_script(script, toy_flags(toy_assets, str(tmp_path), 4, **{"sampler": "vllm", "exp-name": "gpu", "vllm-gpu-memory-utilization": 0.2}))
+    run_script(
+        script,
+        toy_flags(
+            toy_assets, str(tmp_path), 4, **{"sampler": "vllm", "exp-name": "gpu", "vllm-gpu-memory-utilization": 0.2}
+        ),
+    )
     (run_dir,) = glob.glob(os.path.join(tmp_path, "gpu__*"))
     rows = read_metrics(run_dir)
     assert len(rows) == 4

@@ -42,8 +42,13 @@ STALE = 1e-2  # the smallest gap a missed sync produces here (see the module doc
 # The toy task with vLLM's CPU attention: hidden 128 with 2 heads (head_dim 64; 16 is rejected), a small KV cache,
 # a learning rate that moves the weights enough per step for a missed sync to show in the canary, and top_p = 1
 # (LitePPO's default 0.99 renormalises the sampler's log-probs over the nucleus: a ~1e-2 gap that is not a sync error).
-VLLM_FLAGS = {"sampler": "vllm", "vllm-gpu-memory-utilization": 0.02, "learning-rate": 3e-3, "prompts-per-step": 16,
-              "top-p": 1.0}
+VLLM_FLAGS = {
+    "sampler": "vllm",
+    "vllm-gpu-memory-utilization": 0.02,
+    "learning-rate": 3e-3,
+    "prompts-per-step": 16,
+    "top-p": 1.0,
+}
 
 
 def env(threads: int = 2) -> dict[str, str]:
@@ -76,7 +81,7 @@ def assert_canary(rows: list[dict], min_updates: int = 1) -> None:
 def engine_report(request, vllm_assets) -> dict:
     proc = run([sys.executable, "-m", "tests.vllm_worker", vllm_assets[request.param]])
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    return {"tied": request.param == "tied", **json.loads(line[len("RESULT "):])}
+    return {"tied": request.param == "tied", **json.loads(line[len("RESULT ") :])}
 
 
 @pytest.mark.slow
@@ -116,7 +121,7 @@ def test_without_the_cpu_weight_fix_load_weights_cannot_sync(vllm_assets):
     kernels from scratch at every push, so it syncs either way in vLLM 0.32.)"""
     proc = run([sys.executable, "-m", "tests.vllm_worker", vllm_assets["untied"], "--no-cpu-weight-fix"])
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     assert "load_weights_error" in r or r["load_weights_linear_after"] > STALE, r
     assert r["reload_weights_linear_after"] < LOGPROB_ATOL, r
 
@@ -124,8 +129,10 @@ def test_without_the_cpu_weight_fix_load_weights_cannot_sync(vllm_assets):
 def test_aborted_or_failed_requests_raise():
     class Out:  # what vLLM's LLM.generate returns, reduced to what the sampler reads
         def __init__(self, reason):
-            self.request_id, self.outputs = "0", [type("C", (), dict(index=0, token_ids=[1], text="", logprobs=None,
-                                                                        finish_reason=reason))()]
+            self.request_id, self.outputs = (
+                "0",
+                [type("C", (), dict(index=0, token_ids=[1], text="", logprobs=None, finish_reason=reason))()],
+            )
 
     for reason, ok in (("stop", True), ("length", True), ("abort", False), ("error", False)):
         sampler = object.__new__(VLLMSampler)
@@ -155,12 +162,19 @@ def test_every_script_trains_with_the_vllm_sampler(script, vllm_assets, tmp_path
     assert_canary(rows, min_updates=2)
     # --rollout-correction auto is token-truncate with vLLM; in fp32 its weights exp(old - sampler) are 1 within
     # the canary's bound (exp(1e-4) - 1 ~ 1e-4)
-    weights = [r[f"train/rollout_corr_weight_{k}"] for r in rows for k in ("min", "max") if "train/rollout_corr_weight_min" in r]
+    weights = [
+        r[f"train/rollout_corr_weight_{k}"]
+        for r in rows
+        for k in ("min", "max")
+        if "train/rollout_corr_weight_min" in r
+    ]
     assert weights and all(abs(w - 1) < LOGPROB_ATOL for w in weights), weights
 
 
 # The line that pushes the weights after the optimizer step, identical in every script.
-SYNC = "        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout samples the new policy\n"
+SYNC = (
+    "        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout samples the new policy\n"
+)
 UPDATE = "            sums, grad_norm, skipped = update_policy("
 
 
@@ -188,8 +202,17 @@ def test_the_canary_catches_a_missing_or_misplaced_sync(mutation, vllm_assets, t
 
 @pytest.mark.slow
 def test_two_processes_each_with_an_engine(vllm_assets, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "grpo.py"), *vllm_flags(vllm_assets, tmp_path, 3, **{"exp-name": "d", "beta": 0})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(ROOT, "grpo.py"),
+        *vllm_flags(vllm_assets, tmp_path, 3, **{"exp-name": "d", "beta": 0}),
+    ]
     run(cmd, threads=1)
     (run_dir,) = glob.glob(os.path.join(tmp_path, "d__*"))  # the ranks agreed on one run directory
     rows = read_metrics(run_dir)
@@ -203,9 +226,22 @@ def test_zero3_gathers_full_weights_into_each_engine(vllm_assets, tmp_path):
     so that both engines receive the full weights (a partition would fail the canary or the load)."""
     pytest.importorskip("deepspeed")
     flags = vllm_flags(vllm_assets, tmp_path, 3, **{"exp-name": "z", "micro-batch-size": 16})
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
-           "--zero3_save_16bit_model", "true", "--num_processes", "2", "--main_process_port", str(free_port()),
-           os.path.join(ROOT, "grpo.py"), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--use_deepspeed",
+        "--zero_stage",
+        "3",
+        "--zero3_save_16bit_model",
+        "true",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(ROOT, "grpo.py"),
+        *flags,
+    ]
     run(cmd, threads=1)
     (run_dir,) = glob.glob(os.path.join(tmp_path, "z__*"))
     assert_canary(read_metrics(run_dir))
@@ -235,14 +271,22 @@ def test_resume_with_vllm_matches_the_uninterrupted_run(vllm_assets, tmp_path):
 
 def test_sampler_flags_are_refused_with_one_line(vllm_assets, tmp_path):
     """Flag combinations the vLLM path cannot serve are one-line errors before anything is written."""
-    cases = [({"vllm-tensor-parallel-size": 2}, "--vllm-tensor-parallel-size"),
-             ({"vllm-enable-sleep-mode": True}, "--vllm-enable-sleep-mode"),
-             ({"max-prompt-tokens": 500, "max-new-tokens": 20}, "--max-prompt-tokens")]  # 520 > the model's 512
+    cases = [
+        ({"vllm-tensor-parallel-size": 2}, "--vllm-tensor-parallel-size"),
+        ({"vllm-enable-sleep-mode": True}, "--vllm-enable-sleep-mode"),
+        ({"max-prompt-tokens": 500, "max-new-tokens": 20}, "--max-prompt-tokens"),
+    ]  # 520 > the model's 512
     for extra, flag in cases:
         flags = vllm_flags(vllm_assets, tmp_path / "out", 1, **extra)
         flags = [f for f in flags if f != "True"]  # a bool flag takes no value
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *flags], cwd=ROOT, env=env(),
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "grpo.py"), *flags],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode != 0 and flag in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
         assert not os.path.exists(tmp_path / "out")
         assert re.search(r"Traceback", proc.stderr) is None

@@ -39,8 +39,13 @@ def logprob_gap(sampler, model, temperature: float, prompts=PROMPTS, n: int = N)
     the group order the contract promises (a wrong order makes the gap large)."""
     out = sampler.generate(prompts, n, temperature, 1.0, MAX_NEW)
     assert len(out) == len(prompts) * n
-    gaps = [(trainer_logps(model, prompts[i // n], c.token_ids, temperature) - torch.tensor(c.logprobs).double()).abs().max().item()
-            for i, c in enumerate(out)]
+    gaps = [
+        (trainer_logps(model, prompts[i // n], c.token_ids, temperature) - torch.tensor(c.logprobs).double())
+        .abs()
+        .max()
+        .item()
+        for i, c in enumerate(out)
+    ]
     return max(gaps)
 
 
@@ -70,17 +75,23 @@ def main(model_dir: str, fix: bool) -> dict:
     sampler.update_weights(eos_model)
     out = sampler.generate(PROMPTS, N, 1.0, 1.0, MAX_NEW)
     res["count"] = len(out)
-    res["eos_last_and_not_truncated"] = all(c.token_ids[-1] == eos and not c.truncated for c in out if eos in c.token_ids)
+    res["eos_last_and_not_truncated"] = all(
+        c.token_ids[-1] == eos and not c.truncated for c in out if eos in c.token_ids
+    )
     res["eos_only_last"] = all(eos not in c.token_ids[:-1] for c in out)
-    res["truncated_means_full_budget"] = all(len(c.token_ids) == MAX_NEW and c.token_ids[-1] != eos for c in out if c.truncated)
+    res["truncated_means_full_budget"] = all(
+        len(c.token_ids) == MAX_NEW and c.token_ids[-1] != eos for c in out if c.truncated
+    )
     res["some_eos"] = sum(eos in c.token_ids for c in out)
     res["some_truncated"] = sum(c.truncated for c in out)
     res["logprobs_len_ok"] = all(len(c.logprobs) == len(c.token_ids) for c in out)
     sampler.update_weights(model)
     greedy = sampler.generate(PROMPTS, N, 0.0, 1.0, MAX_NEW)
     res["greedy_copies"] = all(greedy[i].token_ids == greedy[i - i % N].token_ids for i in range(len(greedy)))
-    res["greedy_gap"] = max((trainer_logps(model, PROMPTS[i // N], c.token_ids, 1.0) - torch.tensor(c.logprobs).double()).abs().max().item()
-                            for i, c in enumerate(greedy))
+    res["greedy_gap"] = max(
+        (trainer_logps(model, PROMPTS[i // N], c.token_ids, 1.0) - torch.tensor(c.logprobs).double()).abs().max().item()
+        for i, c in enumerate(greedy)
+    )
     res["gap_t1"] = logprob_gap(sampler, model, 1.0)
     res["gap_t07"] = logprob_gap(sampler, model, 0.7)
     state = sampler.state_dict()

@@ -70,7 +70,13 @@ def plot(runs: list[str], keys: list[str], out: str, window: int = 1, title: str
             mean = [sum(v) / len(v) for v in zip(*per_seed)]
             (line,) = ax.plot(steps, mean, label=exp if len(curves) == 1 else f"{exp} ({len(curves)} seeds)")
             if len(curves) > 1:
-                ax.fill_between(steps, [min(v) for v in zip(*per_seed)], [max(v) for v in zip(*per_seed)], color=line.get_color(), alpha=0.2)
+                ax.fill_between(
+                    steps,
+                    [min(v) for v in zip(*per_seed)],
+                    [max(v) for v in zip(*per_seed)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
