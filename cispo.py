@@ -418,7 +418,8 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     if len(bad) > args.max_bad_answer_frac * len(answers):
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
         raise SystemExit(
-            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
+            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, "
+            f"more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
         )
     prompts, golds, too_long = [], [], 0
     for i, (q, a) in enumerate(zip(questions, answers)):
@@ -435,7 +436,8 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
         print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
     if not prompts:
         raise SystemExit(
-            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
+            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, "
+            f"longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
         )
     return prompts, golds
 
@@ -679,11 +681,13 @@ def main(args: Args) -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.prompts_per_step % world or gen_prompts % world:
         raise SystemExit(
-            f"--prompts-per-step {args.prompts_per_step} and --gen-prompts-per-round {gen_prompts} must be divisible by the number of processes {world}"
+            f"--prompts-per-step {args.prompts_per_step} and --gen-prompts-per-round {gen_prompts} "
+            f"must be divisible by the number of processes {world}"
         )
     if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
         raise SystemExit(
-            f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
+            f"--num-mini-batches {args.num_mini_batches} "
+            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
         )
     if args.resume and not complete_checkpoints(args.resume):
         raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
@@ -692,7 +696,8 @@ def main(args: Args) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
         raise SystemExit(
-            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"
+            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
     max_model_len = args.max_prompt_tokens + max(
         args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0
@@ -700,7 +705,8 @@ def main(args: Args) -> None:
     positions = getattr(model.config, "max_position_embeddings", None)
     if sampler_kind == "vllm" and positions is not None and max_model_len > positions:
         raise SystemExit(
-            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} exceeds the model's {positions} positions, which vLLM refuses: lower them"
+            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} "
+            f"exceeds the model's {positions} positions, which vLLM refuses: lower them"
         )
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -907,7 +913,8 @@ def main(args: Args) -> None:
         kept = kept[: min(num_kept, share)]  # group indices into this step's generated groups, as many on every rank
         if len(kept) < share:
             accelerator.print(
-                f"step {step}: {len(kept) * world} of {args.prompts_per_step} informative groups after {args.max_gen_batches} generation rounds"
+                f"step {step}: {len(kept) * world} of {args.prompts_per_step} "
+                f"informative groups after {args.max_gen_batches} generation rounds"
             )
         if args.vllm_enable_sleep_mode:
             sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
@@ -1064,7 +1071,8 @@ def main(args: Args) -> None:
             )
         eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
         accelerator.print(
-            f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} acc {metrics['train/accuracy']:.3f} "
+            f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} "
+            f"acc {metrics['train/accuracy']:.3f} "
             f"len {metrics['train/response_length_mean']:.1f} {step_time:.2f}s/step eta {eta / 60:.1f}min"
         )
         stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0

@@ -527,7 +527,8 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
     if len(bad) > args.max_bad_answer_frac * len(answers):
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
         raise SystemExit(
-            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
+            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, "
+            f"more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
         )
     prompts, golds, too_long = [], [], 0
     for i, (q, a) in enumerate(zip(questions, answers)):
@@ -544,7 +545,8 @@ def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
         print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
     if not prompts:
         raise SystemExit(
-            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
+            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, "
+            f"longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
         )
     return prompts, golds
 
@@ -770,7 +772,8 @@ def main(args: Args) -> None:
         raise SystemExit(f"--daro-loss-floor must be in (0, 1] (a fraction of M_mu), got {args.daro_loss_floor}")
     if not (0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
         raise SystemExit(
-            f"--daro-w-min/--daro-w-max/--daro-w-lr: need 0 < w_min <= w_max and lr > 0, got {args.daro_w_min}, {args.daro_w_max}, {args.daro_w_lr}"
+            "--daro-w-min/--daro-w-max/--daro-w-lr: need 0 < w_min <= w_max and lr > 0, "
+            f"got {args.daro_w_min}, {args.daro_w_max}, {args.daro_w_lr}"
         )
     if args.total_steps == 0 and args.eval_every <= 0:
         raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
@@ -800,7 +803,8 @@ def main(args: Args) -> None:
         )
     if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
         raise SystemExit(
-            f"--num-mini-batches {args.num_mini_batches} must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
+            f"--num-mini-batches {args.num_mini_batches} "
+            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
         )
     if args.resume and not complete_checkpoints(args.resume):
         raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
@@ -809,7 +813,8 @@ def main(args: Args) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001
         raise SystemExit(
-            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {str(e).splitlines()[0]}"
+            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
     max_model_len = args.max_prompt_tokens + max(
         args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0
@@ -817,7 +822,8 @@ def main(args: Args) -> None:
     positions = getattr(model.config, "max_position_embeddings", None)
     if sampler_kind == "vllm" and positions is not None and max_model_len > positions:
         raise SystemExit(
-            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} exceeds the model's {positions} positions, which vLLM refuses: lower them"
+            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} "
+            f"exceeds the model's {positions} positions, which vLLM refuses: lower them"
         )
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -1133,7 +1139,8 @@ def main(args: Args) -> None:
             )
         eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
         accelerator.print(
-            f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} acc {metrics['train/accuracy']:.3f} "
+            f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} "
+            f"acc {metrics['train/accuracy']:.3f} "
             f"len {metrics['train/response_length_mean']:.1f} {step_time:.2f}s/step eta {eta / 60:.1f}min"
         )
         stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0

@@ -167,7 +167,10 @@ def main() -> None:
         )
     table = "\n".join(lines)
     where = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPU threads"
-    header = f"hidden {a.hidden}, chunk {a.chunk}, {a.dtype}, {where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n"
+    header = (
+        f"hidden {a.hidden}, chunk {a.chunk}, {a.dtype}, {where}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n"
+    )
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     suffix = "" if a.dtype == "float32" else f"_{a.dtype}"
     name = f"logprob_{device}_V{'_'.join(str(v) for v in a.vocab)}_chunk{a.chunk}{suffix}.md"

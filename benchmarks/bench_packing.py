@@ -99,7 +99,8 @@ def main() -> None:
         rows.append((name, len(plan), tokens, statistics.median(times[1:])))
     base = rows[0][3]
     lines = [
-        f"{time.strftime('%Y-%m-%d')}, {device}, {os.cpu_count()} CPU threads, torch {torch.__version__}; Qwen2 hidden {a.hidden} x "
+        f"{time.strftime('%Y-%m-%d')}, {device}, {os.cpu_count()} CPU threads, torch {torch.__version__}; "
+        f"Qwen2 hidden {a.hidden} x "
         f"{a.layers} layers, vocab {a.vocab}; {n} sequences, prompt {P}, completions median {int(lengths.median())} / "
         f"mean {lengths.float().mean():.0f} / max {C} tokens; micro-batch {a.micro_batch_size} rows or {budget} tokens",
         "",

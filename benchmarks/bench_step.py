@@ -198,8 +198,9 @@ def main() -> None:
     med = [statistics.median(r[k] for r in rows) for k in range(len(rows[0]))]
     head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline | baseline / TRL |" if a.baseline else "")
     lines = [
-        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, trl {trl_pkg.__version__}; "
-        f"Qwen2 hidden {a.hidden} x {a.layers} layers, {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, "
+        f"trl {trl_pkg.__version__}; Qwen2 hidden {a.hidden} x {a.layers} layers, "
+        f"{a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
         f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
         f"grpo.py micro-batches: {f'--micro-batch-size {a.micro_batch}' if a.micro_batch else 'its defaults'}",
         "",

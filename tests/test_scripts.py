@@ -166,7 +166,10 @@ def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_importing_a_script_has_no_side_effects(script, tmp_path):
-    code = f"import os, sys; sys.path.insert(0, {ROOT!r}); os.chdir({str(tmp_path)!r}); import {script}; assert os.listdir('.') == []"
+    code = (
+        f"import os, sys; sys.path.insert(0, {ROOT!r}); os.chdir({str(tmp_path)!r}); "
+        f"import {script}; assert os.listdir('.') == []"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
