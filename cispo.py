@@ -173,7 +173,7 @@ class Args:
     total_steps: int = 500
     """training steps (one rollout each)"""
     num_mini_batches: int = 16
-    """optimizer steps per rollout and epoch (MiniMax §3.1: 16 off-policy updates per generation batch, as DAPO's 512/32 prompts)"""
+    """optimizer steps per rollout and epoch (MiniMax §3.1: 16 off-policy updates per generation batch)"""
     ppo_epochs: int = 1
     """passes over each rollout"""
     micro_batch_size: int = 256
@@ -189,7 +189,7 @@ class Args:
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
     logprob_kernel: Literal["torch", "triton"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
+    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (needs GPU + triton), chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
     rollout_correction: Literal[
@@ -204,11 +204,11 @@ class Args:
 
     # Algorithm specific arguments
     cispo_form: Literal["scalerl", "minimax"] = "scalerl"
-    """scalerl: IS weight sg(min(r, eps_max)) (ScaleRL); minimax: sg(clip(r, 1 - is_eps_low, 1 + is_eps_high)) (MiniMax-M1 eq. 5)"""
+    """IS weight: scalerl sg(min(r, eps_max)) (ScaleRL); minimax sg(clip(r, 1-is_eps_low, 1+is_eps_high)) (eq. 5)"""
     eps_max: float = 5.0
     """scalerl form: the cap on the IS weight (ScaleRL's 5; its results are insensitive to 4, 5 or 8)"""
     is_eps_high: float = 0.2
-    """minimax form: the cap is 1 + is_eps_high (MiniMax tunes it and does not report it; 0.2 is verl's CISPO example)"""
+    """minimax form: the cap is 1 + is_eps_high (tuned, not reported by MiniMax; 0.2 is verl's CISPO example)"""
     is_eps_low: float | None = None
     """either form: a floor 1 - is_eps_low on the IS weight (None: no lower bound, as MiniMax §3.1 and ScaleRL)"""
     adv_eps: float = 1e-6
@@ -220,7 +220,7 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """scale of the soft overlong punishment (verl's overlong_buffer.penalty_factor)"""
     dynamic_sampling: bool = True
-    """drop groups whose completions are all correct or all wrong and sample more prompts to refill (DAPO §3.2, used by MiniMax §3.1)"""
+    """drop all-correct or all-wrong groups and sample more prompts to refill (DAPO §3.2; MiniMax §3.1)"""
     max_gen_batches: int = 10
     """at most this many generation rounds per step; then train on the informative groups collected so far"""
     gen_prompts_per_round: int = 0
@@ -230,7 +230,7 @@ class Args:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["math-ai/aime24"])
-    """hub ids or local files to evaluate on (split 'test' for hub ids, columns --eval-prompt-column/--eval-answer-column)"""
+    """hub ids (split 'test') or local files to evaluate on; columns --eval-prompt-column/--eval-answer-column"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "solution"
@@ -868,7 +868,7 @@ def main(args: Args) -> None:
     bad_steps, start_time = 0, time.time()
     for step in range(start_step, args.total_steps):
         t0 = time.time()
-        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Algorithm 1), the rollout. Rounds of --gen-prompts-per-round prompts (G
+        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Alg. 1), the rollout. Rounds of --gen-prompts-per-round prompts (G
         # completions each, the data stream indexed by the global round counter) until every rank holds its share
         # of informative groups (0 < #correct < G) or --max-gen-batches rounds ran. The ranks agree on the smallest
         # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.

@@ -9,10 +9,13 @@ a token-level loss: every token of the mini-batch weighs the same, whatever the 
 and dynamic sampling (§3.2, Algorithm 1): groups whose completions are all right or all wrong have zero
 advantage, so they are dropped and more prompts are sampled until the batch is full of informative groups.
 
-    J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) ]  s.t. 0 < #correct < G   (eq. 8)
+    J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) ]   (eq. 8)
+        s.t. 0 < #correct < G
     A_i = (R_i - mean_g R) / (std_g R + eps)                                                   (eq. 9)
     R_i = +1 if correct else -1 (eq. 7)  +  R_len(|o_i|) (eq. 13):
-    R_len = 0 if |y| <= L_max - L_cache;  ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max;  -1 beyond
+    R_len = 0                                   if |y| <= L_max - L_cache
+            ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+            -1                                  beyond
 
 Defaults are the paper's (§4.1) where a single node can: G=16, 512 prompts per step, mini-batches of 32 prompts
 (16 updates per rollout), lr 1e-6 constant after a linear warm-up of 20 rollout steps (= 320 optimizer steps),
@@ -191,7 +194,7 @@ class Args:
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
     logprob_kernel: Literal["torch", "triton"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
+    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (needs GPU + triton), chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
     rollout_correction: Literal[
@@ -230,7 +233,7 @@ class Args:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["math-ai/aime24"])
-    """hub ids or local files to evaluate on (split 'test' for hub ids, columns --eval-prompt-column/--eval-answer-column)"""
+    """hub ids (split 'test') or local files to evaluate on; columns --eval-prompt-column/--eval-answer-column"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "solution"

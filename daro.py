@@ -13,7 +13,8 @@ with a -ln w penalty chosen so that at the optimum every bucket contributes equa
 mu = 1 have no advantage and are left out (W eq. 4):
 
     L_DARO = sum_{mu = 1/G .. (G-1)/G} ( w_mu L_mu - ln w_mu )
-    L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i),   A_i = (R_i - mean_g) / (std_g + eps)
+    L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)
+    A_i    = (R_i - mean_g) / (std_g + eps)
 
 With w = 1 the first term is GRPO with token-mean aggregation. For fixed L_mu > 0 the optimal weight is 1/L_mu.
 
@@ -210,7 +211,7 @@ class Args:
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
     logprob_kernel: Literal["torch", "triton"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
+    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (needs GPU + triton), chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
     rollout_correction: Literal[
@@ -251,7 +252,7 @@ class Args:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["HuggingFaceH4/MATH-500"])
-    """hub ids or local files to evaluate on (split 'test' for hub ids, columns --eval-prompt-column/--eval-answer-column)"""
+    """hub ids (split 'test') or local files to evaluate on; columns --eval-prompt-column/--eval-answer-column"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "answer"

@@ -183,7 +183,7 @@ class Args:
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds the [tokens x vocab] buffer)"""
     logprob_kernel: Literal["torch", "triton"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: fused output-layer kernel for the forward (GPU; needs triton), same chunked backward"""
+    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (needs GPU + triton), chunked backward"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
     rollout_correction: Literal[
@@ -208,7 +208,7 @@ class Args:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["HuggingFaceH4/MATH-500"])
-    """hub ids or local files to evaluate on (split 'test' for hub ids, columns --eval-prompt-column/--eval-answer-column)"""
+    """hub ids (split 'test') or local files to evaluate on; columns --eval-prompt-column/--eval-answer-column"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "answer"

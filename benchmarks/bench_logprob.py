@@ -1,6 +1,6 @@
 """Time and peak memory of the output layer -> per-token log-probs + entropy -> loss -> backward path.
 
-    python benchmarks/bench_logprob.py                 # writes benchmarks/results/logprob_<device>_V<vocabs>_chunk<c>.md
+    python benchmarks/bench_logprob.py              # writes benchmarks/results/logprob_<device>_V<vocabs>_chunk<c>.md
     python benchmarks/bench_logprob.py --vocab 32768 --tokens 4096 --methods naive ours
 
 Methods (weights and hidden states in --dtype, fp32 by default; same inputs; loss = token mean of -logp * adv):

@@ -1,7 +1,7 @@
 """Training-phase time of one rollout with long-tailed completion lengths: padded micro-batches vs micro-batches cut to
 their own padding vs packed by tokens (longest first).
 
-    python benchmarks/bench_packing.py            # CPU: a small random Qwen2, writes benchmarks/results/packing_<device>.md
+    python benchmarks/bench_packing.py   # CPU: a small random Qwen2, writes benchmarks/results/packing_<device>.md
 
 One call of grpo.py's `update_policy` (forward, loss, backward, optimizer step) on the same synthetic rollout:
 --rollout sequences with --prompt-tokens prompt tokens and completion lengths drawn from a log-normal with median

@@ -5,8 +5,9 @@ or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built a
     torchrun --nproc_per_node 2 tests/dist_worker.py ...
 
 Every rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole
-groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and runs the script's update with SGD(lr=1) and no clipping, so
-params_before - params_after is exactly the gradient DDP produced. Rank 0 saves it with the world size.
+groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and
+runs the script's update with SGD(lr=1) and no clipping, so params_before - params_after is exactly the
+gradient DDP produced. Rank 0 saves it with the world size.
 """
 
 from __future__ import annotations
