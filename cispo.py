@@ -328,9 +328,7 @@ def compute_policy_loss(
     adv = advantages[:, None]
     cap = args.eps_max if args.cispo_form == "scalerl" else 1 + args.is_eps_high
     floor = None if args.is_eps_low is None else 1 - args.is_eps_low
-    weight = torch.clamp(
-        ratio, min=floor, max=cap
-    ).detach()  # sg(clipped IS weight), eq. 5: every token keeps a gradient
+    weight = torch.clamp(ratio, min=floor, max=cap).detach()  # sg(clipped IS weight), eq. 5: all tokens keep a gradient
     rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)  # 1.0 when off
     per_token = -rc_weight * weight * adv * logps  # REINFORCE with the corrected distribution, eq. 3-4
     loss = masked_aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)  # 1/sum_i |o_i| (eq. 4)
@@ -568,12 +566,10 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            plan = micro_batches(
-                perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args
-            )  # host-side lengths
-            chunks = [
-                (torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan
-            ]  # index copies, before the loop
+            # host-side lengths
+            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)
+            # index copies, before the loop
+            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
@@ -791,9 +787,8 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-    ):  # its engine clips and steps: our values, not the config's
+    # its engine clips and steps: our values, not the config's
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.micro_batch_size,
             train_batch_size=args.micro_batch_size * world,
@@ -817,9 +812,8 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [
-                            r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step
-                        ]  # a kill can cut the last row
+                        # a kill can cut the last row
+                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -874,7 +868,7 @@ def main(args: Args) -> None:
         # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
-        for gen_round in range(args.max_gen_batches):
+        for gen_round in range(args.max_gen_batches):  # noqa: B007 (read after the loop: train/gen_rounds)
             idx = step_indices(
                 data_round,
                 len(train_prompts),
@@ -1000,7 +994,7 @@ def main(args: Args) -> None:
         )  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0

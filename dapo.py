@@ -9,13 +9,10 @@ a token-level loss: every token of the mini-batch weighs the same, whatever the 
 and dynamic sampling (§3.2, Algorithm 1): groups whose completions are all right or all wrong have zero
 advantage, so they are dropped and more prompts are sampled until the batch is full of informative groups.
 
-    J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i) ]   (eq. 8)
-        s.t. 0 < #correct < G
-    A_i = (R_i - mean_g R) / (std_g R + eps)                                                   (eq. 9)
+    J = E[1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)] s.t. 0 < #correct < G  (eq. 8)
+    A_i = (R_i - mean_g R) / (std_g R + eps)                                                                   (eq. 9)
     R_i = +1 if correct else -1 (eq. 7)  +  R_len(|o_i|) (eq. 13):
-    R_len = 0                                   if |y| <= L_max - L_cache
-            ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
-            -1                                  beyond
+    R_len = 0 if |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max; else -1
 
 Defaults are the paper's (§4.1) where a single node can: G=16, 512 prompts per step, mini-batches of 32 prompts
 (16 updates per rollout), lr 1e-6 constant after a linear warm-up of 20 rollout steps (= 320 optimizer steps),
@@ -335,9 +332,8 @@ def compute_policy_loss(
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    surrogate = torch.minimum(
-        ratio * adv, torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv
-    )  # Clip-Higher (eq. 10)
+    # Clip-Higher (eq. 10)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv)
     rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)  # 1.0 when off
     per_token = -surrogate * rc_weight
     if num_tokens is not None:
@@ -575,12 +571,10 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            plan = micro_batches(
-                perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args
-            )  # host-side lengths
-            chunks = [
-                (torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan
-            ]  # index copies, before the loop
+            # host-side lengths
+            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)
+            # index copies, before the loop
+            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
@@ -799,9 +793,8 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-    ):  # its engine clips and steps: our values, not the config's
+    # its engine clips and steps: our values, not the config's
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.micro_batch_size,
             train_batch_size=args.micro_batch_size * world,
@@ -825,9 +818,8 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [
-                            r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step
-                        ]  # a kill can cut the last row
+                        # a kill can cut the last row
+                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -882,7 +874,7 @@ def main(args: Args) -> None:
         # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
-        for gen_round in range(args.max_gen_batches):
+        for gen_round in range(args.max_gen_batches):  # noqa: B007 (read after the loop: train/gen_rounds)
             idx = step_indices(
                 data_round,
                 len(train_prompts),
@@ -1009,7 +1001,7 @@ def main(args: Args) -> None:
         )  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0

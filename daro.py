@@ -13,8 +13,7 @@ with a -ln w penalty chosen so that at the optimum every bucket contributes equa
 mu = 1 have no advantage and are left out (W eq. 4):
 
     L_DARO = sum_{mu = 1/G .. (G-1)/G} ( w_mu L_mu - ln w_mu )
-    L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)
-    A_i    = (R_i - mean_g) / (std_g + eps)
+    L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i), A_i = (R_i - mean_g)/(std_g+eps)
 
 With w = 1 the first term is GRPO with token-mean aggregation. For fixed L_mu > 0 the optimal weight is 1/L_mu.
 
@@ -426,16 +425,14 @@ def compute_policy_loss(
     w = (torch.ones(args.group_size + 1) if weights is None else weights).to(per_token)
     onehot = bucket_onehot(bucket, args.group_size).to(per_token)
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    bucket_loss = (
-        onehot.T @ (per_token * mask).sum(-1) / denom
-    )  # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
+    # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
+    bucket_loss = onehot.T @ (per_token * mask).sum(-1) / denom
     seqs = onehot.sum(0) if bucket_seqs is None else bucket_seqs.to(per_token)
     if args.daro_w_normalize:  # ablation (our choice): mean 1 over the buckets present (mu = 0, 1 never count)
         present = seqs > 0
         w = w / torch.where(present.any(), (w * present).sum() / present.sum().clamp(min=1), 1.0)  # none: w as is
-    neg_log_w = torch.where(
-        seqs > 0, -torch.log(w) / seqs.clamp(min=1e-12), 0.0
-    )  # -ln w_mu, spread over mu's sequences
+    # -ln w_mu, spread over mu's sequences
+    neg_log_w = torch.where(seqs > 0, -torch.log(w) / seqs.clamp(min=1e-12), 0.0)
     weighted = (w * bucket_loss).sum()
     loss = weighted + (onehot @ neg_log_w).sum()  # W eq. 4
     with torch.no_grad():
@@ -446,9 +443,8 @@ def compute_policy_loss(
         stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
         mass, share = bucket_mass(advantages, bucket, mask, args, num_tokens)[0], mask.sum().to(w) / denom
         stats["daro_mass"], stats["daro_weighted_mass"] = mass.sum(), (w.double() * mass).sum()  # ratio: the step scale
-        for c in range(
-            1, args.group_size
-        ):  # per bucket, named by mu: L_mu, M_mu and w_mu (as a token mean of a constant)
+        # per bucket, named by mu: L_mu, M_mu and w_mu (as a token mean of a constant)
+        for c in range(1, args.group_size):
             mu = f"{c / args.group_size:.4g}"
             stats[f"daro_L_{mu}"], stats[f"daro_M_{mu}"] = bucket_loss[c].detach(), mass[c]
             stats[f"daro_w_{mu}"] = w[c] * share
@@ -673,9 +669,8 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     Nothing in the micro-batch loop reads a tensor on the host."""
     mask, advantages = batch["mask"], batch["advantages"]
     n, device = batch["ids"].shape[0], batch["ids"].device
-    daro = (
-        batch["daro"] if "daro" in batch else DaroWeights(args, device)
-    )  # ALGO LOGIC: main's w_mu live across steps; else w = 1
+    # ALGO LOGIC: main's w_mu live across steps; else w = 1
+    daro = batch["daro"] if "daro" in batch else DaroWeights(args, device)
     bucket = batch["bucket"] if "bucket" in batch else bucket_from_advantages(advantages, args)
     sums: dict[str, torch.Tensor] = {}
     grad_norms, skipped, canary, canary_tokens = [], 0, [], []
@@ -683,16 +678,13 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            plan = micro_batches(
-                perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args
-            )  # host-side lengths
-            chunks = [
-                (torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan
-            ]  # index copies, before the loop
+            # host-side lengths
+            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)
+            # index copies, before the loop
+            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
-            idx = perm[mb * mb_size : (mb + 1) * mb_size].to(
-                device
-            )  # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
+            # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
+            idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)
             sums_mu = bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens)
             mass, bucket_seqs, onpolicy_loss = accelerator.reduce(sums_mu, "mean")
             daro.step(w_target(mass, onpolicy_loss, args), bucket_seqs > 0)
@@ -909,9 +901,8 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-    ):  # its engine clips and steps: our values, not the config's
+    # its engine clips and steps: our values, not the config's
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.micro_batch_size,
             train_batch_size=args.micro_batch_size * world,
@@ -920,9 +911,8 @@ def main(args: Args) -> None:
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
-    daro = DaroWeights(
-        args, accelerator.device
-    )  # ALGO LOGIC: the learnable bucket weights, saved with the accelerate state
+    # ALGO LOGIC: the learnable bucket weights, saved with the accelerate state
+    daro = DaroWeights(args, accelerator.device)
     accelerator.register_for_checkpointing(daro)
     start_step = 0
     if args.resume:
@@ -939,9 +929,8 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [
-                            r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step
-                        ]  # a kill can cut the last row
+                        # a kill can cut the last row
+                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -1074,7 +1063,7 @@ def main(args: Args) -> None:
         )  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0

@@ -523,12 +523,10 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
         for mb in range(args.num_mini_batches):
-            plan = micro_batches(
-                perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args
-            )  # host-side lengths
-            chunks = [
-                (torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan
-            ]  # index copies, before the loop
+            # host-side lengths
+            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)
+            # index copies, before the loop
+            chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
             for j, (c, p_w, c_w) in enumerate(chunks):
                 accelerator.gradient_state._set_sync_gradients(j == len(chunks) - 1)  # DeepSpeed steps at the last one
@@ -733,9 +731,8 @@ def main(args: Args) -> None:
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
-    ):  # its engine clips and steps: our values, not the config's
+    # its engine clips and steps: our values, not the config's
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=args.micro_batch_size,
             train_batch_size=args.micro_batch_size * world,
@@ -777,9 +774,8 @@ def main(args: Args) -> None:
                 path = os.path.join(run_dir, name)
                 if os.path.exists(path):
                     with open(path) as f:
-                        rows = [
-                            r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step
-                        ]  # a kill can cut the last row
+                        # a kill can cut the last row
+                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
                     with open(path, "w") as f:
                         f.writelines(rows)
         accelerator.print(f"resumed from {last} at step {start_step}")
@@ -910,7 +906,7 @@ def main(args: Args) -> None:
         )  # noqa: E731
         all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
         group_acc = all_correct.view(-1, args.group_size).mean(1)
-        reduce = lambda k, v: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()  # noqa: E731
+        reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         n_tokens = all_len.sum().item()
         step_time = time.time() - t0
