@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.reward import _gold_text, score
+from common.reward import _gold_text, answer_format_for, score
 from common.sampling import Completion
 
 MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
@@ -206,12 +206,13 @@ def init_data(args, questions, solutions, train_prompts, tokenizer, format_promp
 
 def _demo(data: DataStrategies, row: int, gold: str, tokenizer, args) -> Completion | None:
     """The row's demonstration: the first candidate that fits in --max-new-tokens (EOS included) and that the
-    verifier scores correct; None if none does (then the group is left as it is)."""
+    verifier scores correct in the run's answer format; None if none does (then the group is left as it is)."""
     if row not in data.demos:
         data.demos[row] = None
+        answer_format = answer_format_for(args.prompt_template, getattr(args, "reward_format", "auto"))
         for text in demonstration(gold, data.solutions.get(row), args.prompt_template):
             ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            if len(ids) <= args.max_new_tokens and score([text], [gold])[0][0] == 1.0:
+            if len(ids) <= args.max_new_tokens and score([text], [gold], answer_format=answer_format)[0][0] == 1.0:
                 data.demos[row] = Completion(token_ids=ids, text=text, truncated=False)
                 break
     return data.demos[row]

@@ -348,25 +348,13 @@ def test_resume_with_a_full_replay_buffer_equals_an_uninterrupted_run(toy_assets
     assert trainer_state(full_dir, 8)["data"] == trainer_state(cut_dir, 8)["data"]
 
 
-STRICT_DRIVER = (  # the script with a strict verifier: no \\boxed{...}, no reward (issue 12's test task)
-    "import runpy, sys\n"
-    "import common.reward as r\n"
-    "plain = r.score\n"
-    "def strict(completions, answers, timeout_s=5.0):\n"
-    "    s, info = plain(completions, answers, timeout_s)\n"
-    "    return [v if '\\\\boxed{' in c else 0.0 for v, c in zip(s, completions)], info\n"
-    "r.score = strict\n"
-    "sys.argv = sys.argv[1:]\n"
-    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-)
-
-
 def strict_run(assets, out, steps, *switches: str) -> list[dict]:
     flags = toy_flags(
         assets,
         str(out),
         steps,
         **{
+            "reward-format": "boxed",  # the strict verifier: no \\boxed{...}, no reward (issue 12's test task)
             "max-new-tokens": 12,
             "learning-rate": 5e-3,
             "beta": 0,
@@ -382,7 +370,7 @@ def strict_run(assets, out, steps, *switches: str) -> list[dict]:
         },
     ) + list(switches)
     proc = subprocess.run(
-        [sys.executable, "-c", STRICT_DRIVER, os.path.join(ROOT, "grpo.py"), *flags],
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *flags],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
