@@ -4,6 +4,8 @@ stand-ins for running a script's `update_policy` in one process."""
 from __future__ import annotations
 
 import contextlib
+import socket
+import sys
 import types
 
 import torch
@@ -12,6 +14,36 @@ from common.loss import grad_normalizers
 from tests.fp_bounds import gamma
 
 MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(target: str, procs: int = 2, zero3: bool = False, deepspeed_config: str | None = None) -> list[str]:
+    """The command that starts the Python file `target` on `procs` CPU processes (append its arguments): torchrun
+    (gloo), or with `zero3` / `deepspeed_config` accelerate's DeepSpeed launcher, as a user runs configs/zero3.yaml
+    (ZeRO-3 saving 16-bit full weights, or the given --deepspeed_config_file)."""
+    if not zero3 and deepspeed_config is None:
+        port = ["--master_port", str(free_port())]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), *port, target]
+    ds = ["--deepspeed_config_file", deepspeed_config] if deepspeed_config else ["--zero_stage", "3"]
+    ds += [] if deepspeed_config else ["--zero3_save_16bit_model", "true"]
+    port = ["--main_process_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--use_deepspeed",
+        *ds,
+        "--num_processes",
+        str(procs),
+        *port,
+        target,
+    ]
 
 
 def assert_micro_batches_add_up(

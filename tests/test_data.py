@@ -30,7 +30,7 @@ from common.data import (
     sampling_weights,
 )
 from common.sampling import Completion
-from tests.test_distributed import free_port
+from tests.checks import launch_cmd
 from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -89,17 +89,7 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
             "log-samples-every": 0,
         },
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        os.path.join(ROOT, "grpo.py"),
-        *flags,
-    ]
+    cmd = [*launch_cmd(os.path.join(ROOT, "grpo.py")), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = glob.glob(os.path.join(tmp_path, "d2__*"))

@@ -9,23 +9,17 @@ import glob
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.checks import launch_cmd
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
@@ -49,32 +43,11 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
                 },
                 f,
             )
-        cmd = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--use_deepspeed",
-            "--deepspeed_config_file",
-            ds,
-            "--num_processes",
-            str(procs),
-            "--main_process_port",
-            str(free_port()),
-            WORKER,
-        ]
+        cmd = launch_cmd(WORKER, procs, deepspeed_config=ds)
     elif procs == 1:
         cmd = [sys.executable, WORKER]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(procs),
-            "--master_port",
-            str(free_port()),
-            WORKER,
-        ]
+        cmd = launch_cmd(WORKER, procs)
     extra = [f"{k}={v}" for k, v in overrides.items()]
     subprocess.run(cmd + [script, str(out_dir), model, str(micro), *extra], check=True, cwd=ROOT, env=env, timeout=300)
     tag = ("_zero3" if zero3 else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
@@ -151,22 +124,7 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
         # GRPO with its sharded reference model; Dr. GRPO keeps truncated rewards (the toy never emits EOS)
         **{"grpo": {"beta": 0.01}, "dr_grpo": {"truncated-reward": "keep"}}.get(script, {}),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--use_deepspeed",
-        "--zero_stage",
-        "3",
-        "--zero3_save_16bit_model",
-        "true",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        os.path.join(ROOT, f"{script}.py"),
-        *flags,
-    ]
+    cmd = [*launch_cmd(os.path.join(ROOT, f"{script}.py"), zero3=True), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

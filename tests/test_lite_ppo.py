@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import socket
 import subprocess
-import sys
 
 import torch
 
 import grpo
 import lite_ppo
-from tests.checks import assert_micro_batches_add_up
+from tests.checks import assert_micro_batches_add_up, launch_cmd
 from tests.reference import ppo_clip_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,12 +187,6 @@ def test_defaults_are_the_papers():
     assert (a.num_mini_batches, a.ppo_epochs) == (1, 1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_batch_std_is_gathered_across_two_processes(tmp_path):
     """Each of 2 ranks computes the advantages of its own half of the groups; together they equal the advantages
     computed by one process on all rewards, which the ranks' local stds would not give."""
@@ -202,17 +194,7 @@ def test_batch_std_is_gathered_across_two_processes(tmp_path):
 
     out = tmp_path / "adv.pt"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        os.path.join(ROOT, "tests", "lite_ppo_dist_worker.py"),
-        str(out),
-    ]
+    cmd = [*launch_cmd(os.path.join(ROOT, "tests", "lite_ppo_dist_worker.py")), str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=300, capture_output=True)
     res = torch.load(out)
     assert res["world_size"] == 2

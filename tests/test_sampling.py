@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ from common.sampling import (
     unwrap_model,
     vllm_available,
 )
+from tests.checks import free_port
 from tests.fp_bounds import assert_within, log_softmax_error_bounds, unit_roundoff
 
 QUESTIONS = ["1+2=", "3+4=", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", "0+0=", "4+1=4"]
@@ -54,16 +54,10 @@ def prompts(tok):
     return ids
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def gloo_group():
     """A single-process gloo group, for DDP / FSDP2 wrappers; destroyed afterwards."""
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
         yield
     finally:
@@ -363,7 +357,7 @@ def _sharded_worker(rank: int, world: int, port: int, model_dir: str) -> None:
 def test_buckets_gather_sharded_models(toy_assets):
     """Two ranks, really sharded (FSDP2 DTensors, FSDP1 flat parameters): every rank gets the full tensors
     under the checkpoint names."""
-    torch.multiprocessing.spawn(_sharded_worker, args=(2, _free_port(), toy_assets["model"]), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_sharded_worker, args=(2, free_port(), toy_assets["model"]), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from common.sampling import Completion, VLLMSampler, vllm_available
-from tests.test_distributed import free_port
+from tests.checks import launch_cmd
 from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
 
 if torch.cuda.is_available():  # these check the fp32 CPU engine; on GPUs the engine is bf16 (gpu-marked tests)
@@ -203,14 +203,7 @@ def test_the_canary_catches_a_missing_or_misplaced_sync(mutation, vllm_assets, t
 @pytest.mark.slow
 def test_two_processes_each_with_an_engine(vllm_assets, tmp_path):
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        os.path.join(ROOT, "grpo.py"),
+        *launch_cmd(os.path.join(ROOT, "grpo.py")),
         *vllm_flags(vllm_assets, tmp_path, 3, **{"exp-name": "d", "beta": 0}),
     ]
     run(cmd, threads=1)
@@ -226,22 +219,7 @@ def test_zero3_gathers_full_weights_into_each_engine(vllm_assets, tmp_path):
     so that both engines receive the full weights (a partition would fail the canary or the load)."""
     pytest.importorskip("deepspeed")
     flags = vllm_flags(vllm_assets, tmp_path, 3, **{"exp-name": "z", "micro-batch-size": 16})
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--use_deepspeed",
-        "--zero_stage",
-        "3",
-        "--zero3_save_16bit_model",
-        "true",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        os.path.join(ROOT, "grpo.py"),
-        *flags,
-    ]
+    cmd = [*launch_cmd(os.path.join(ROOT, "grpo.py"), zero3=True), *flags]
     run(cmd, threads=1)
     (run_dir,) = glob.glob(os.path.join(tmp_path, "z__*"))
     assert_canary(read_metrics(run_dir))
