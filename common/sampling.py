@@ -197,7 +197,7 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterat
 
     Names are those of the saved checkpoint (`save_pretrained`'s safetensors keys): the keys of the
     unwrapped model's `state_dict()`, minus the aliases of tied weights: a tied `lm_head.weight` is not
-    sent, as the checkpoint omits it; vLLM 0.33's AutoWeightsLoader would skip it anyway, and raises when an
+    sent, as the checkpoint omits it; vLLM's (0.32) AutoWeightsLoader would skip it anyway, and raises when an
     alias arrives in a `load_weights` call without its canonical `embed_tokens` name. Wrapper
     prefixes (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`) never appear.
     Tensors are full, whatever the sharding: DTensor (FSDP2) via `full_tensor()` per tensor, DeepSpeed
