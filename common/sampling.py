@@ -361,10 +361,7 @@ class HFSampler:
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
     ) -> list[Completion]:
         """See `Sampler.generate`."""
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-        if any(len(p) == 0 for p in prompt_token_ids):
-            raise ValueError("empty prompt: every prompt needs at least one token")
+        _check_request(prompt_token_ids, n, max_new_tokens)
         model = unwrap_model(self.model)
         device = next(model.parameters()).device
         seed = self.seed + self.calls
@@ -453,6 +450,14 @@ class HFSampler:
             )
             completions += [c] if not greedy else [_copy(c) for _ in range(n)]
         return completions
+
+
+def _check_request(prompt_token_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> None:
+    """What both backends refuse before generating: n or max_new_tokens below 1, an empty prompt."""
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if any(len(p) == 0 for p in prompt_token_ids):
+        raise ValueError("empty prompt: every prompt needs at least one token")
 
 
 def _copy(c: Completion) -> Completion:
@@ -694,10 +699,7 @@ class VLLMSampler:
         """See `Sampler.generate`. Wakes a sleeping engine (after a level-2 sleep, only `update_weights` may)."""
         from vllm import SamplingParams
 
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"n and max_new_tokens must be >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-        if any(len(p) == 0 for p in prompt_token_ids):
-            raise ValueError("empty prompt: every prompt needs at least one token")
+        _check_request(prompt_token_ids, n, max_new_tokens)
         if self.enable_sleep_mode and self.is_sleeping():
             if not self._weights_valid:
                 raise RuntimeError(
