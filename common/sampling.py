@@ -697,9 +697,9 @@ class VLLMSampler:
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
     ) -> list[Completion]:
         """See `Sampler.generate`. Wakes a sleeping engine (after a level-2 sleep, only `update_weights` may)."""
+        _check_request(prompt_token_ids, n, max_new_tokens)
         from vllm import SamplingParams
 
-        _check_request(prompt_token_ids, n, max_new_tokens)
         if self.enable_sleep_mode and self.is_sleeping():
             if not self._weights_valid:
                 raise RuntimeError(

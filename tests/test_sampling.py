@@ -365,6 +365,22 @@ def test_buckets_gather_sharded_models(toy_assets):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize(
+    "prompts,n,max_new,match",
+    [([[1]], 0, 4, "n and max_new_tokens"), ([[1]], 2, 0, "n and max_new_tokens"), ([[1], []], 2, 4, "empty prompt")],
+)
+def test_both_backends_refuse_bad_requests_before_generating(backend, prompts, n, max_new, match, model, tok):
+    if backend == "hf":
+        sampler = HFSampler(model, tok, seed=0)
+    else:  # no engine: the check runs before the engine is touched
+        sampler = object.__new__(VLLMSampler)
+        sampler.llm = None
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(prompts, n, 1.0, 1.0, max_new)
+    assert getattr(sampler, "calls", 0) == 0  # nothing was drawn
+
+
 def test_make_sampler(model, tok, toy_assets):
     kw = {"model": model, "tokenizer": tok, "model_name_or_path": toy_assets["model"], "seed": 0}
     hf = make_sampler("hf", **kw, gpu_memory_utilization=0.5)  # vLLM-only kwargs are ignored by HF
