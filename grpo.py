@@ -27,16 +27,11 @@ sampling for the vLLM/trainer mismatch; on by default with vLLM) reweights the p
 from __future__ import annotations
 
 import contextlib
-import functools
-import glob
 import json
-import math
 import os
 import random
-import re
 import shutil
 import signal
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -46,20 +41,39 @@ import torch
 import tyro
 
 from common.data import (
-    check_args,
     data_metrics,
     data_state,
-    draw_prompts,
+    encode_prompts,
     finish_batch,
     init_data,
     inject_and_replay,
     load_data_state,
+    load_rows,
     load_solutions,
+    step_indices,
 )
-from common.loss import TokenLogProbs, grad_normalizers, masked_aggregate
-from common.metrics import completion_stats, majority_correct, pass_at_k
-from common.reward import answer_format_for, extract_final_answer, find_unparseable_gold, score, set_workers
-from common.sampling import make_sampler, resolve_sampler
+from common.loss import (
+    TokenLogProbs,
+    cut,
+    grad_normalizers,
+    masked_aggregate,
+    micro_batches,
+    pad_batch,
+    pad_logprobs,
+    rollout_correction,
+)
+from common.metrics import completion_stats, evaluate, log_samples, rollout_metrics
+from common.reward import answer_format_for, score, set_workers
+from common.run import (
+    check_shared_args,
+    check_world,
+    complete_checkpoints,
+    max_model_len,
+    new_run_dir,
+    start_tracking,
+    trim_logs,
+)
+from common.sampling import make_sampler
 
 
 @dataclass
@@ -232,37 +246,6 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return adv.view(-1)
 
 
-def rollout_correction(old_logps, rollout_logps, mask, args: Args, num_tokens=None):
-    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
-    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
-    log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
-    w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
-    counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
-    the correction is off or "auto", which main() resolves from the sampler; stats: token means over the
-    mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
-    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
-    if args.rollout_correction in ("none", "auto"):
-        return 1.0, {}
-    if rollout_logps is None:
-        raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
-    # NaN rollout log-probs mark rows the sampler did not produce this step (injected, replayed): weight 1 there
-    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)).nan_to_num(nan=0.0) * mask
-    if args.rollout_correction.startswith("sequence"):
-        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
-    over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
-    weight = torch.exp(log_w.clamp(max=log_cap))
-    if args.rollout_correction.endswith("mask"):
-        weight = torch.where(over, 0.0, weight)
-    token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
-    stats = {
-        "rollout_corr_weight_mean": token_mean(weight),
-        "rollout_corr_capped_frac": token_mean(over),
-        "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
-        "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax(),
-    }
-    return weight, stats
-
-
 def compute_policy_loss(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -300,205 +283,7 @@ def compute_policy_loss(
     return loss, stats
 
 
-# TRY NOT TO MODIFY: data, prompts, batching, evaluation
-SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
-R1_TEMPLATE = (
-    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
-    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
-    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
-    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
-    "User: {question}\nAssistant: <think>"
-)
-DAPO_TEMPLATE = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"
-    'Remember to put your answer on its own line after "Answer:".'
-)
-
-
-def format_prompt(question: str, template: str, tokenizer) -> str:
-    """The text the model is asked to continue; chat templates go through the tokenizer's own."""
-    if template == "none":
-        return question
-    if template == "r1":
-        return R1_TEMPLATE.format(question=question)
-    if template == "qwen-boxed":
-        messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
-    else:
-        messages = [
-            {
-                "role": "user",
-                "content": question
-                if question.startswith(DAPO_TEMPLATE[:46])
-                else DAPO_TEMPLATE.format(question=question),
-            }
-        ]  # DAPO-Math-17k's prompts carry it already
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(m["content"] for m in messages) + "\n\n"
-
-
-def load_rows(name: str, config: str | None, split: str, prompt_column: str, answer_column: str, flag: str):
-    """Questions and answers from a hub dataset or a local .jsonl/.json/.parquet file."""
-    import datasets
-
-    datasets.logging.set_verbosity_error()
-    ext = os.path.splitext(name)[1].lower()
-    try:
-        if ext in (".jsonl", ".json", ".parquet"):
-            if not os.path.exists(name):
-                raise SystemExit(f"{flag}: no such file {name!r}")
-            if os.path.getsize(name) == 0:
-                raise SystemExit(f"{flag}: dataset {name!r} is empty")
-            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=name, split="train")
-        else:
-            ds = datasets.load_dataset(name, config, split=split)
-    except SystemExit:
-        raise
-    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
-        raise SystemExit(
-            f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        ) from None
-    for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
-        if col not in ds.column_names:
-            raise SystemExit(f"{col_flag}: column {col!r} not in {name!r}; available: {ds.column_names}")
-    if len(ds) == 0:
-        raise SystemExit(f"{flag}: dataset {name!r} split {split!r} is empty")
-    return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
-
-
-def encode_prompts(questions, answers, tokenizer, args: Args, flag: str):
-    """Tokenised prompts and their answers; prompts over --max-prompt-tokens and unparseable answers dropped."""
-    bad = set(find_unparseable_gold(answers))
-    if len(bad) > args.max_bad_answer_frac * len(answers):
-        examples = [answers[i][:60] for i in sorted(bad)[:3]]
-        raise SystemExit(
-            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, "
-            f"more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
-        )
-    prompts, golds, too_long = [], [], 0
-    for i, (q, a) in enumerate(zip(questions, answers)):
-        ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
-        if len(ids) > args.max_prompt_tokens:
-            too_long += 1
-        elif i not in bad:
-            prompts.append(ids)
-            golds.append(a)
-    if bad:
-        examples = [answers[i][:60] for i in sorted(bad)[:3]]
-        print(f"{flag}: dropped {len(bad)} rows whose answer cannot be parsed, e.g. {examples}")
-    if too_long:
-        print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
-    if not prompts:
-        raise SystemExit(
-            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, "
-            f"longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
-        )
-    return prompts, golds
-
-
-def complete_checkpoints(run_dir: str) -> list[str]:
-    """The run's complete checkpoints, checkpoints/step_<k> holding trainer.json, oldest first. What a kill
-    mid-save leaves (a step_<k>.tmp directory, or a step_<k> without trainer.json) is not one."""
-    found = []
-    for path in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")):
-        m = re.fullmatch(r"step_(\d+)", os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, "trainer.json")):
-            found.append((int(m.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
-    """The shuffled row order of one pass over the training set."""
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
-
-
-def step_indices(
-    step: int,
-    num_rows: int,
-    args: Args,
-    rank: int,
-    world: int,
-    count: int | None = None,
-    tracker=None,
-    progress: float | None = None,
-) -> list[int]:
-    """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
-    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
-    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
-    --total-steps)."""
-    count = args.prompts_per_step // world if count is None else count
-    if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
-        progress = step / max(args.total_steps, 1) if progress is None else progress
-        drawn = draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)
-        return drawn[rank * count : (rank + 1) * count]
-    start = (step * world + rank) * count
-    return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
-
-
-def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """[N, P + C] ids and attention mask with left-padded prompts and right-padded completions, and the
-    [N, C] completion mask. Prompt i is shared by its group (prompts given once per completion)."""
-    p_len = max(len(p) for p in prompts)
-    c_len = max(max(len(c) for c in completions), 1)
-    ids = torch.full((len(prompts), p_len + c_len), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
-        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
-        attn[i, p_len - len(p) : p_len + len(c)] = 1
-    return ids, attn, attn[:, p_len:].clone(), p_len
-
-
-def evaluate(sampler, eval_sets, tokenizer, args: Args) -> dict[str, float]:
-    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
-    metrics, k, fmt = {}, args.eval_samples, answer_format_for(args.prompt_template, args.reward_format)
-    for name, (prompts, golds) in eval_sets.items():
-        top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
-        texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
-        correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
-        groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
-        short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
-        metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
-        metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
-        finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
-        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
-    return metrics
-
-
-def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: Args) -> list[tuple[list[int], int, int]]:
-    """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
-    longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
-    lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
-    --micro-batch-tokens, longest completion first, as many rows as fit (at most --micro-batch-size)."""
-    if args.micro_batch_tokens <= 0:
-        groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
-    else:
-        groups, width = [], (0, 0)
-        for r in sorted(rows, key=lambda r: -lens[r][1]):
-            w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
-            if not groups or (n := len(groups[-1]) + 1) > args.micro_batch_size or n * sum(w) > args.micro_batch_tokens:
-                groups.append([])
-                w = lens[r]
-            groups[-1].append(r)
-            width = w
-    return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
-
-
-def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
-    """Rows `idx` of the rollout's tensors, with the padding beyond the widths removed: input columns
-    [p_len - p_w, p_len + c_w) and completion columns [0, c_w)."""
-    p_len = batch["p_len"]
-    out = {k: batch[k][idx, :c_w] for k in ("mask", "old_logps", "ref_logps", "sampler_logps") if k in batch}
-    out.update(
-        ids=batch["ids"][idx, p_len - p_w : p_len + c_w],
-        attn=batch["attn"][idx, p_len - p_w : p_len + c_w],
-        advantages=batch["advantages"][idx],
-    )
-    return out
-
-
+# TRY NOT TO MODIFY: log-probs of a rollout, the update loop
 def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
     """Per-token log-probs [N, C] of the whole rollout under `policy`, micro-batch by micro-batch, without gradient
     (zeros past each micro-batch's width)."""
@@ -534,16 +319,9 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                 with contextlib.nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                     logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
                     old = logps.detach() if "old_logps" not in m else m["old_logps"]
+                    extra = {"ref_logps": m.get("ref_logps"), "rollout_logps": m.get("sampler_logps")}
                     loss, stats = compute_policy_loss(
-                        logps,
-                        old,
-                        m["advantages"],
-                        m["mask"],
-                        args,
-                        num_tokens=num_tokens,
-                        num_seqs=num_seqs,
-                        ref_logps=m.get("ref_logps"),
-                        rollout_logps=m.get("sampler_logps"),
+                        logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
                 stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
@@ -579,38 +357,8 @@ def main(args: Args) -> None:
     from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if args.group_size < 2:
-        raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
-    if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
-        raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
-    if args.logprob_kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit(
-            "--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
-        )
-    if args.micro_batch_tokens < 0:
-        raise SystemExit(
-            f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}"
-        )
-    if args.reward_workers < -1:
-        raise SystemExit(f"--reward-workers must be >= -1 (-1: cores per local rank), got {args.reward_workers}")
+    sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
-    if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
-    if args.rollout_correction_cap < 1:
-        raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
-    if args.total_steps == 0 and args.eval_every <= 0:
-        raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
-    try:
-        sampler_kind = resolve_sampler(args.sampler)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
-        raise SystemExit(
-            "--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)"
-        )
-    if args.vllm_tensor_parallel_size != 1:
-        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
-    check_args(args)
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
@@ -620,17 +368,7 @@ def main(args: Args) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
     )
     rank, world = accelerator.process_index, accelerator.num_processes
-    if args.prompts_per_step % world:
-        raise SystemExit(
-            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}"
-        )
-    if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
-        raise SystemExit(
-            f"--num-mini-batches {args.num_mini_batches} "
-            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
-        )
-    if args.resume and not complete_checkpoints(args.resume):
-        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
+    check_world(args, world)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
@@ -639,50 +377,22 @@ def main(args: Args) -> None:
             f"--model-name-or-path: cannot load {args.model_name_or_path!r}: "
             f"{type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
-    max_model_len = args.max_prompt_tokens + max(
-        args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0
-    )
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if sampler_kind == "vllm" and positions is not None and max_model_len > positions:
-        raise SystemExit(
-            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {max_model_len} "
-            f"exceeds the model's {positions} positions, which vLLM refuses: lower them"
-        )
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_prompts, train_golds = [], []
     if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
-        questions, answers = load_rows(
-            args.dataset_name,
-            args.dataset_config,
-            args.dataset_split,
-            args.prompt_column,
-            args.answer_column,
-            "--dataset-name",
-        )
+        dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
+        questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
-        solutions = load_solutions(load_rows, args)  # DATA: --solution-column, then the tracker and replay buffer
-        data = init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt)
+        solutions = load_solutions(args)  # DATA: --solution-column, then the tracker and replay buffer
+        data = init_data(args, questions, solutions, train_prompts, tokenizer)
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:
             qs, ans = load_rows(name, None, "test", args.eval_prompt_column, args.eval_answer_column, "--eval-datasets")
             n = args.eval_limit or len(qs)
             eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets")
-    if args.resume:
-        run_dir = args.resume.rstrip("/")
-    else:
-        stamp = broadcast_object_list([int(time.time())])[0]
-        run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
-        if broadcast_object_list([os.path.exists(run_dir)])[0]:  # rank 0's view: it creates the directory below
-            raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
-        parent = os.path.abspath(args.output_dir)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        try:  # a probe, not os.access: root passes os.access everywhere, and a file cannot hold a directory
-            os.rmdir(tempfile.mkdtemp(dir=parent))
-        except OSError as e:
-            raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable ({e.strerror})") from None
+    run_dir = new_run_dir(args, broadcast_object_list)
 
     # TRY NOT TO MODIFY: seeding, run directory, logging
     random.seed(args.seed)
@@ -693,18 +403,8 @@ def main(args: Args) -> None:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
-        if args.track:  # wandb is imported only here; it syncs the TensorBoard events written below
-            import wandb
-
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                name=os.path.basename(run_dir),
-                sync_tensorboard=True,
-                config=vars(args),
-                dir=run_dir,
-                save_code=True,
-            )
+        if args.track:  # Weights & Biases syncs the TensorBoard events written below
+            start_tracking(args, run_dir)
         writer = SummaryWriter(run_dir)
         writer.add_text(
             "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -723,7 +423,7 @@ def main(args: Args) -> None:
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=args.vllm_enable_sleep_mode,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len(args, model, sampler_kind),
     )
     answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
@@ -770,14 +470,7 @@ def main(args: Args) -> None:
         load_data_state(data, state.get("data"), rank)
         sampler.update_weights(accelerator.unwrap_model(policy).lm)
         if accelerator.is_main_process:  # forget what was logged after the checkpoint: it is about to be redone
-            for name in ("metrics.jsonl", "samples.jsonl"):
-                path = os.path.join(run_dir, name)
-                if os.path.exists(path):
-                    with open(path) as f:
-                        # a kill can cut the last row
-                        rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
-                    with open(path, "w") as f:
-                        f.writelines(rows)
+            trim_logs(run_dir, start_step)
         accelerator.print(f"resumed from {last} at step {start_step}")
 
     def save_checkpoint(step: int) -> None:
@@ -870,14 +563,7 @@ def main(args: Args) -> None:
             "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist())),
         }  # (prompt, completion) lengths, host-side
         if any(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
-            nan = [float("nan")] * mask.shape[1]  # rows not sampled this step (injected, replayed) have none
-            batch["sampler_logps"] = torch.tensor(
-                [
-                    nan if c.logprobs is None else c.logprobs + [0.0] * (mask.shape[1] - len(c.logprobs))
-                    for c in completions
-                ],
-                device=device,
-            )
+            batch["sampler_logps"] = pad_logprobs([c.logprobs for c in completions], mask.shape[1]).to(device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
@@ -904,27 +590,11 @@ def main(args: Args) -> None:
         g = lambda x: (lambda y: y[~y.isnan()])(
             accelerator.gather(accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan")))
         )  # noqa: E731
-        all_correct, all_len, all_rew = g(correct), g(lengths), g(rewards)
-        group_acc = all_correct.view(-1, args.group_size).mean(1)
         reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
-        n_tokens = all_len.sum().item()
-        step_time = time.time() - t0
+        all_lengths, step_time = g(lengths), time.time() - t0
         metrics = {
-            "train/reward_mean": all_rew.mean().item(),
-            "train/reward_std": all_rew.std().item(),
-            "train/accuracy": all_correct.mean().item(),
-            "train/response_length_mean": all_len.mean().item(),
-            "train/response_length_max": all_len.max().item(),
-            "train/response_length_correct": all_len[all_correct > 0].mean().item()
-            if (all_correct > 0).any()
-            else float("nan"),
-            "train/response_length_incorrect": all_len[all_correct == 0].mean().item()
-            if (all_correct == 0).any()
-            else float("nan"),
-            "train/truncated_frac": g(truncated).mean().item(),
-            "train/groups_all_correct": (group_acc == 1).float().mean().item(),
-            "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
+            **rollout_metrics(g(correct), all_lengths, g(rewards), g(truncated), args.group_size),
             "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
             "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
             **{
@@ -943,7 +613,7 @@ def main(args: Args) -> None:
             "time/train": t_train,
             "time/weight_sync": t_sync,
             "time/step": step_time,
-            "time/tokens_per_s": n_tokens / step_time,
+            "time/tokens_per_s": all_lengths.sum().item() / step_time,
         }
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.total_steps):
             t_eval = time.time()
@@ -951,25 +621,7 @@ def main(args: Args) -> None:
             metrics["time/eval"] = time.time() - t_eval
         log(metrics, step)
         if writer is not None and args.log_samples_every > 0 and step % args.log_samples_every == 0:
-            samples = [
-                {
-                    "step": step,
-                    "prompt": tokenizer.decode(prompts[i // args.group_size]),
-                    "completion": texts[i],
-                    "reward": rewards[i].item(),
-                }
-                for i in range(0, len(texts), args.group_size)
-            ][:4]
-            with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
-            writer.add_text(
-                "samples",
-                "\n\n---\n\n".join(
-                    f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}"
-                    for s in samples
-                ),
-                step,
-            )
+            log_samples(writer, run_dir, step, [tokenizer.decode(p) for p in prompts], texts, rewards, args.group_size)
         eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
         accelerator.print(
             f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} "

@@ -1,4 +1,9 @@
-"""Data strategies shared by every script (SPEC §11; seeds/000 进阶策略探索, seeds/002 Gaussian difficulty).
+"""Data shared by every script: loading and prompt order, and the data strategies (SPEC §11; seeds/000
+进阶策略探索, seeds/002 Gaussian difficulty).
+
+- loading: `load_rows` (a hub dataset or a local .jsonl/.json/.parquet file), `format_prompt` (the
+  --prompt-template's text), `encode_prompts` (tokenised, over-long prompts and unparseable answers dropped and
+  counted), `step_indices` (a step's prompts: shuffled epochs keyed by (seed, step), so --resume replays them).
 
 None of this is part of an algorithm's story: it decides which prompts a step draws and what a group holds.
 Everything is off by default; the scripts call it with identical lines (README "Data strategies").
@@ -20,6 +25,7 @@ Everything is off by default; the scripts call it with identical lines (README "
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.reward import _gold_text, answer_format_for, score
+from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion
 
 MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
@@ -40,6 +46,132 @@ DEMO_FORMAT = {
     "r1": " The answer is {a}. </think> <answer> {a} </answer>",
     "dapo": "Answer: {a}",
 }
+
+
+# Loading: datasets, prompt templates and each step's prompts (identical for every algorithm)
+SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
+R1_TEMPLATE = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
+    "User: {question}\nAssistant: <think>"
+)
+DAPO_TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"
+    'Remember to put your answer on its own line after "Answer:".'
+)
+
+
+def format_prompt(question: str, template: str, tokenizer) -> str:
+    """The text the model is asked to continue; chat templates go through the tokenizer's own."""
+    if template == "none":
+        return question
+    if template == "r1":
+        return R1_TEMPLATE.format(question=question)
+    if template == "qwen-boxed":
+        messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
+    else:
+        messages = [
+            {
+                "role": "user",
+                "content": question
+                if question.startswith(DAPO_TEMPLATE[:46])
+                else DAPO_TEMPLATE.format(question=question),
+            }
+        ]  # DAPO-Math-17k's prompts carry it already
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+
+def load_rows(name: str, config: str | None, split: str, prompt_column: str, answer_column: str, flag: str):
+    """Questions and answers from a hub dataset or a local .jsonl/.json/.parquet file."""
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    ext = os.path.splitext(name)[1].lower()
+    try:
+        if ext in (".jsonl", ".json", ".parquet"):
+            if not os.path.exists(name):
+                raise SystemExit(f"{flag}: no such file {name!r}")
+            if os.path.getsize(name) == 0:
+                raise SystemExit(f"{flag}: dataset {name!r} is empty")
+            ds = datasets.load_dataset("parquet" if ext == ".parquet" else "json", data_files=name, split="train")
+        else:
+            ds = datasets.load_dataset(name, config, split=split)
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear line
+        raise SystemExit(
+            f"{flag}: could not load {name!r} (split {split!r}): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        ) from None
+    for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
+        if col not in ds.column_names:
+            raise SystemExit(f"{col_flag}: column {col!r} not in {name!r}; available: {ds.column_names}")
+    if len(ds) == 0:
+        raise SystemExit(f"{flag}: dataset {name!r} split {split!r} is empty")
+    return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
+
+
+def encode_prompts(questions, answers, tokenizer, args, flag: str):
+    """Tokenised prompts and their answers; prompts over --max-prompt-tokens and unparseable answers dropped."""
+    bad = set(find_unparseable_gold(answers))
+    if len(bad) > args.max_bad_answer_frac * len(answers):
+        examples = [answers[i][:60] for i in sorted(bad)[:3]]
+        raise SystemExit(
+            f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, "
+            f"more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
+        )
+    prompts, golds, too_long = [], [], 0
+    for i, (q, a) in enumerate(zip(questions, answers)):
+        ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
+        if len(ids) > args.max_prompt_tokens:
+            too_long += 1
+        elif i not in bad:
+            prompts.append(ids)
+            golds.append(a)
+    if bad:
+        examples = [answers[i][:60] for i in sorted(bad)[:3]]
+        print(f"{flag}: dropped {len(bad)} rows whose answer cannot be parsed, e.g. {examples}")
+    if too_long:
+        print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
+    if not prompts:
+        raise SystemExit(
+            f"{flag}: no usable rows left (unparseable answers: {len(bad)}, "
+            f"longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
+        )
+    return prompts, golds
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
+    """The shuffled row order of one pass over the training set."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def step_indices(
+    step: int,
+    num_rows: int,
+    args,
+    rank: int,
+    world: int,
+    count: int | None = None,
+    tracker=None,
+    progress: float | None = None,
+) -> list[int]:
+    """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
+    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
+    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
+    --total-steps)."""
+    count = args.prompts_per_step // world if count is None else count
+    if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
+        progress = step / max(args.total_steps, 1) if progress is None else progress
+        drawn = draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)
+        return drawn[rank * count : (rank + 1) * count]
+    start = (step * world + rank) * count
+    return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
 
 
 class PromptTracker:
@@ -146,10 +278,10 @@ class ReplayBuffer:
 def demonstration(gold: str, solution: str | None, template: str) -> list[str]:
     """Candidate demonstration texts, best first: the worked solution if any, then the reference answer in the
     template's answer format (e.g. "The answer is \\boxed{7}.")."""
-    return ([solution] if solution else []) + [DEMO_FORMAT[template].format(a=_gold_text(gold))]
+    return ([solution] if solution else []) + [DEMO_FORMAT[template].format(a=gold_text(gold))]
 
 
-def load_solutions(load_rows, args) -> list[str]:
+def load_solutions(args) -> list[str]:
     """The --solution-column texts, aligned with the dataset's rows (empty without the flag)."""
     if not args.solution_column:
         return []
@@ -186,7 +318,7 @@ def check_args(args) -> None:
         raise SystemExit(f"--difficulty-file: no such file {args.difficulty_file!r}")
 
 
-def init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt) -> DataStrategies:
+def init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt=format_prompt) -> DataStrategies:
     """The run's tracker (with --difficulty-file's prior), an empty replay buffer and the solution texts."""
     tracker = PromptTracker(len(train_prompts))
     if args.difficulty_file:

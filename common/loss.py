@@ -1,7 +1,9 @@
 """Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, and masked
 token-level aggregation with global normalisers.
 
-Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use.
+Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use. Also here: the
+rollout correction's weight (SPEC §12), which each script's compute_policy_loss multiplies into its policy term,
+and the batching of a rollout into padded tensors and token-budget micro-batches.
 
 Log-probs. `TokenLogProbs` wraps a Hugging Face causal LM. Its forward runs the decoder to the final hidden
 states and turns only the completion positions into log-probs, `chunk_size` rows at a time, through
@@ -22,6 +24,7 @@ the host, so none of them syncs with the device inside a micro-batch loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -226,3 +229,87 @@ def masked_aggregate(
             raise ValueError("mode 'sum' needs an explicit normaliser (num_tokens)")
         return (values * mask).sum() / num_tokens
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+
+
+def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
+    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
+    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
+    log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
+    w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
+    counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
+    the correction is off or "auto", which the scripts' main() resolves from the sampler; stats: token means over the
+    mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
+    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
+    if args.rollout_correction in ("none", "auto"):
+        return 1.0, {}
+    if rollout_logps is None:
+        raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
+    # NaN rollout log-probs mark rows the sampler did not produce this step (injected, replayed): weight 1 there
+    log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)).nan_to_num(nan=0.0) * mask
+    if args.rollout_correction.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
+    weight = torch.exp(log_w.clamp(max=log_cap))
+    if args.rollout_correction.endswith("mask"):
+        weight = torch.where(over, 0.0, weight)
+    token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+    stats = {
+        "rollout_corr_weight_mean": token_mean(weight),
+        "rollout_corr_capped_frac": token_mean(over),
+        "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
+        "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax(),
+    }
+    return weight, stats
+
+
+# Batching: rollout rows into padded tensors and micro-batches (host-side planning, no device reads)
+def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """[N, P + C] ids and attention mask with left-padded prompts and right-padded completions, and the
+    [N, C] completion mask. Prompt i is shared by its group (prompts given once per completion)."""
+    p_len = max(len(p) for p in prompts)
+    c_len = max(max(len(c) for c in completions), 1)
+    ids = torch.full((len(prompts), p_len + c_len), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(c)] = 1
+    return ids, attn, attn[:, p_len:].clone(), p_len
+
+
+def pad_logprobs(logprobs: list[list[float] | None], width: int) -> torch.Tensor:
+    """[N, width] per-token sampler log-probs, zero-padded; NaN for a row without any (one the sampler did not
+    produce this step: an injected or replayed completion)."""
+    return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
+
+
+def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tuple[list[int], int, int]]:
+    """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
+    longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
+    lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
+    --micro-batch-tokens, longest completion first, as many rows as fit (at most --micro-batch-size)."""
+    if args.micro_batch_tokens <= 0:
+        groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
+    else:
+        groups, width = [], (0, 0)
+        for r in sorted(rows, key=lambda r: -lens[r][1]):
+            w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
+            if not groups or (n := len(groups[-1]) + 1) > args.micro_batch_size or n * sum(w) > args.micro_batch_tokens:
+                groups.append([])
+                w = lens[r]
+            groups[-1].append(r)
+            width = w
+    return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
+
+
+def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
+    """Rows `idx` of the rollout's tensors, with the padding beyond the widths removed: input columns
+    [p_len - p_w, p_len + c_w) and completion columns [0, c_w)."""
+    p_len = batch["p_len"]
+    out = {k: batch[k][idx, :c_w] for k in ("mask", "old_logps", "ref_logps", "sampler_logps") if k in batch}
+    out.update(
+        ids=batch["ids"][idx, p_len - p_w : p_len + c_w],
+        attn=batch["attn"][idx, p_len - p_w : p_len + c_w],
+        advantages=batch["advantages"][idx],
+    )
+    return out

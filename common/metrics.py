@@ -12,15 +12,21 @@ No algorithm reads them: they only describe what the policy is doing.
 - language mixing: a completion holding both a CJK character and a Latin word of two or more letters (LaTeX
   commands such as \\frac are not words).
 - evaluation: avg@k, unbiased pass@k (Chen et al. 2021) and maj@k (cons@k: majority vote over final answers).
+- `rollout_metrics` / `log_samples`: the step's reward, accuracy and length metrics over all ranks, and a few
+  prompt/completion/reward samples, as every script logs them.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+
+from common.reward import answer_format_for, extract_final_answer, score
 
 REFLECTION_WORDS = (
     "wait",
@@ -125,3 +131,53 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
     tied = [a for a, v in votes.items() if v == top]
     score = {a: c for a, c in zip(answers, correct) if a is not None}
     return float(np.mean([score[a] for a in tied]))
+
+
+def evaluate(sampler, eval_sets, tokenizer, args) -> dict[str, float]:
+    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
+    metrics, k, fmt = {}, args.eval_samples, answer_format_for(args.prompt_template, args.reward_format)
+    for name, (prompts, golds) in eval_sets.items():
+        top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
+        texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
+        correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
+        groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
+        short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
+        metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
+        metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
+        finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
+        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
+    return metrics
+
+
+def rollout_metrics(correct, lengths, rewards, truncated, group_size: int) -> dict[str, float]:
+    """train/ metrics of the policy's own samples (before injection or replay): correct, lengths, rewards, truncated
+    are [N] tensors over all ranks, groups of group_size contiguous."""
+    group_acc = correct.view(-1, group_size).mean(1)
+    right, wrong = lengths[correct > 0], lengths[correct == 0]
+    return {
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std().item(),
+        "train/accuracy": correct.mean().item(),
+        "train/response_length_mean": lengths.mean().item(),
+        "train/response_length_max": lengths.max().item(),
+        "train/response_length_correct": right.mean().item() if len(right) else float("nan"),
+        "train/response_length_incorrect": wrong.mean().item() if len(wrong) else float("nan"),
+        "train/truncated_frac": truncated.float().mean().item(),
+        "train/groups_all_correct": (group_acc == 1).float().mean().item(),
+        "train/groups_all_wrong": (group_acc == 0).float().mean().item(),
+    }
+
+
+def log_samples(writer, run_dir: str, step: int, prompts: list[str], texts: list[str], rewards, group_size: int):
+    """The first completion of up to 4 groups, with its prompt and reward, to samples.jsonl and TensorBoard.
+    prompts: one text per group; texts, rewards: one per completion."""
+    samples = [
+        {"step": step, "prompt": prompts[i // group_size], "completion": texts[i], "reward": float(rewards[i])}
+        for i in range(0, len(texts), group_size)
+    ][:4]
+    with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
+        f.writelines(json.dumps(s) + "\n" for s in samples)
+    text = "\n\n---\n\n".join(
+        f"**prompt** {s['prompt']}\n\n**completion** {s['completion']}\n\n**reward** {s['reward']}" for s in samples
+    )
+    writer.add_text("samples", text, step)

@@ -147,7 +147,7 @@ def extract_final_answer(text: str, answer_format: str = "any") -> str | None:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _gold_text(answer: str) -> str:
+def gold_text(answer: str) -> str:
     """The gold answer as a bare string: the last boxed content of a full solution, else the string."""
     return (_last_boxed(answer) if "\\boxed" in answer or "\\fbox" in answer else None) or _unwrap(answer)
 
@@ -168,7 +168,7 @@ def parse_gold(answer: str) -> list[Any]:
     """math-verify's parse of a gold answer (bare `\\sqrt{18}`, `3/4`, `B`, or a full solution whose last
     `\\boxed{}` holds it), cached. `[]` or a list without a sympy object means unparseable. No timeout here:
     the scoring workers bound it; use `find_unparseable_gold` for a bounded check."""
-    return _parse(_gold_text(answer))
+    return _parse(gold_text(answer))
 
 
 def _has_expr(parsed: list[Any]) -> bool:
@@ -364,8 +364,8 @@ def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int
     workers = default_workers() if NUM_WORKERS < 0 else NUM_WORKERS
     results: dict[int, tuple[float, str]] = {}
     for i, pred, gold in tasks:  # two integers: math-verify's verdict is integer equality (a gold alone parses)
-        if _INTEGER.fullmatch(pred or "0") and _INTEGER.fullmatch(gold_text := _gold_text(gold)):
-            results[i] = (float(pred is None or int(pred) == int(gold_text)), "ok")
+        if _INTEGER.fullmatch(pred or "0") and _INTEGER.fullmatch(gold_str := gold_text(gold)):
+            results[i] = (float(pred is None or int(pred) == int(gold_str)), "ok")
     tasks = [t for t in tasks if t[0] not in results]
     if workers == 0 and threading.current_thread() is threading.main_thread():  # SIGALRM reaches the main thread only
         results.update(_run_here(tasks, timeout_s))
@@ -417,7 +417,7 @@ def score(
             counts["format_errors"] += 1
         elif len(ans) > MAX_ANSWER_CHARS or _SURROGATE.search(ans):
             counts["errors"] += 1
-        elif ans == _gold_text(str(gold)):
+        elif ans == gold_text(str(gold)):
             scores[i] = 1.0
         else:
             tasks.append((i, ans, str(gold)))

@@ -361,11 +361,13 @@ class _NoChatTemplate:
 
 
 def test_dapo_template_is_not_applied_twice():
-    bare = dapo.format_prompt("What is 1+1?", "dapo", _NoChatTemplate())
+    from common.data import DAPO_TEMPLATE, format_prompt
+
+    bare = format_prompt("What is 1+1?", "dapo", _NoChatTemplate())
     assert bare.count("Solve the following math problem step by step.") == 1 and "What is 1+1?" in bare
     # DAPO-Math-17k's prompts already carry the instruction: formatting one again changes nothing
-    inner = dapo.DAPO_TEMPLATE.format(question="What is 1+1?")
-    assert dapo.format_prompt(inner, "dapo", _NoChatTemplate()) == bare
+    inner = DAPO_TEMPLATE.format(question="What is 1+1?")
+    assert format_prompt(inner, "dapo", _NoChatTemplate()) == bare
 
 
 # end to end: dynamic sampling in main() and its resume state -----------------------------------------------

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import grpo
-from common import reward
+from common import reward, run
 from tests.checks import reward_wall_bound
 from tests.test_scripts import ROOT, read_metrics, run_script
 
@@ -375,7 +375,7 @@ def test_existing_run_directory_without_resume(toy_assets, tmp_path, monkeypatch
     out = tmp_path / "out"
     taken = out / "x__1__1234567"
     os.makedirs(taken)
-    monkeypatch.setattr(grpo, "time", types.SimpleNamespace(time=lambda: 1234567.25))  # the run's timestamp
+    monkeypatch.setattr(run, "time", types.SimpleNamespace(time=lambda: 1234567.25))  # the run's timestamp
     expect_exit(make_args(toy_assets, out, exp_name="x"), "--output-dir", "already exists", "--resume")
     assert os.listdir(out) == ["x__1__1234567"] and os.listdir(taken) == []
 

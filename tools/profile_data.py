@@ -1,6 +1,6 @@
 """Profile a dataset under a model (seeds/000 "统计丰富性"): per-prompt pass rate and response lengths.
 
-Uses the training scripts' own data loading (grpo.py's load_rows / encode_prompts, so the same filtering and
+Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts, so the same filtering and
 prompt template), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and verifier
 (common.reward.score). Writes one JSON line per prompt:
 
@@ -103,9 +103,9 @@ def main(args: Args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from common.data import encode_prompts, load_rows
     from common.reward import score
     from common.sampling import make_sampler
-    from grpo import encode_prompts, load_rows
 
     if args.samples < 1 or args.limit < 0 or args.batch_prompts < 1:
         raise SystemExit("--samples and --batch-prompts must be >= 1, --limit >= 0")

@@ -1,0 +1,162 @@
+"""Run mechanics shared by every script: the checks of the flags they all have, the run directory, its checkpoints
+and tracking (SPEC §2, §8).
+
+No algorithm reads any of this. Each script calls these with identical lines before anything is written, and keeps
+its own algorithm's checks next to the call. Every refusal is one line (SystemExit) naming the flag.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tempfile
+import time
+
+import torch
+
+from common.data import check_args
+from common.sampling import resolve_sampler
+
+
+def check_shared_args(args) -> str:
+    """Refuses a bad value of a flag every script has, before anything is written. Returns the sampler that
+    --sampler resolves to ("vllm" or "hf")."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
+    if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
+        raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
+    if args.logprob_kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(
+            "--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
+        )
+    if args.micro_batch_tokens < 0:
+        raise SystemExit(
+            f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}"
+        )
+    if args.reward_workers < -1:
+        raise SystemExit(f"--reward-workers must be >= -1 (-1: cores per local rank), got {args.reward_workers}")
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
+    if args.rollout_correction_cap < 1:
+        raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
+    if args.total_steps == 0 and args.eval_every <= 0:
+        raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
+    try:
+        sampler_kind = resolve_sampler(args.sampler)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    if args.vllm_enable_sleep_mode and (sampler_kind != "vllm" or not torch.cuda.is_available()):
+        raise SystemExit(
+            "--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)"
+        )
+    if args.vllm_tensor_parallel_size != 1:
+        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
+    if args.resume and not complete_checkpoints(args.resume):
+        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
+    check_args(args)  # the data strategies' flags
+    return sampler_kind
+
+
+def check_world(args, world: int) -> None:
+    """Refuses a step that cannot be split evenly over `world` processes and --num-mini-batches."""
+    if args.prompts_per_step % world:
+        raise SystemExit(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}"
+        )
+    if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
+        raise SystemExit(
+            f"--num-mini-batches {args.num_mini_batches} "
+            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
+        )
+
+
+def max_model_len(args, model, sampler_kind: str) -> int:
+    """The longest sequence a run samples (prompt + completion, training or evaluation); refused when vLLM would
+    refuse it, i.e. longer than the model's position embeddings."""
+    length = args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if sampler_kind == "vllm" and positions is not None and length > positions:
+        raise SystemExit(
+            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {length} "
+            f"exceeds the model's {positions} positions, which vLLM refuses: lower them"
+        )
+    return length
+
+
+def new_run_dir(args, broadcast_object_list) -> str:
+    """The run directory: --resume's, or <output-dir>/<exp-name>__<seed>__<unix time> with rank 0's time (it is
+    created later, by rank 0). Refused when it exists already or --output-dir cannot hold it."""
+    if args.resume:
+        return args.resume.rstrip("/")
+    stamp = broadcast_object_list([int(time.time())])[0]
+    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
+    if broadcast_object_list([os.path.exists(run_dir)])[0]:  # rank 0's view: it creates the directory
+        raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
+    parent = os.path.abspath(args.output_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:  # a probe, not os.access: root passes os.access everywhere, and a file cannot hold a directory
+        os.rmdir(tempfile.mkdtemp(dir=parent))
+    except OSError as e:
+        raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable ({e.strerror})") from None
+    return run_dir
+
+
+def complete_checkpoints(run_dir: str) -> list[str]:
+    """The run's complete checkpoints, checkpoints/step_<k> holding trainer.json, oldest first. What a kill
+    mid-save leaves (a step_<k>.tmp directory, or a step_<k> without trainer.json) is not one."""
+    found = []
+    for path in glob.glob(os.path.join(run_dir, "checkpoints", "step_*")):
+        m = re.fullmatch(r"step_(\d+)", os.path.basename(path))
+        if m and os.path.isfile(os.path.join(path, "trainer.json")):
+            found.append((int(m.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def trim_logs(run_dir: str, start_step: int) -> None:
+    """Forgets what was logged at or after `start_step` (a resumed run is about to redo it); a row that a kill cut
+    short is dropped too."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = [r for r in f if r.endswith("\n") and json.loads(r)["step"] < start_step]
+            with open(path, "w") as f:
+                f.writelines(rows)
+
+
+def start_tracking(args, run_dir: str) -> None:
+    """--track: a Weights & Biases run named after the run directory, config = the flags, syncing the TensorBoard
+    events the script writes (cleanRL's convention). wandb is imported only here."""
+    import wandb
+
+    wandb.init(
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+        name=os.path.basename(run_dir),
+        sync_tensorboard=True,
+        config=vars(args),
+        dir=run_dir,
+        save_code=True,
+    )
+
+
+def load_reference(args, accelerator):
+    """A frozen copy of --model-name-or-path as a TokenLogProbs for a KL term: on the accelerator's device, or under
+    DeepSpeed ZeRO-3 sharded like the policy (it was loaded partitioned) in an engine without an optimizer."""
+    from accelerate.utils import DistributedType
+    from transformers import AutoModelForCausalLM
+
+    from common.loss import TokenLogProbs
+
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval().requires_grad_(False)
+    )
+    ref = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel).to(accelerator.device)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        ref = deepspeed.initialize(model=ref, config=accelerator.state.deepspeed_plugin.deepspeed_config)[0]
+    return ref
