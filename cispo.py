@@ -402,6 +402,10 @@ def main(args: Args) -> None:
 
     sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
+    # the modes "auto" picks, resolved before args.json records them
+    answer_format = args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # the template's
+    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
+        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: it drops what they would change
         raise SystemExit(
             "--gt-injection and --replay act on groups without signal, which --dynamic-sampling drops and "
@@ -482,9 +486,6 @@ def main(args: Args) -> None:
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len(args, model, sampler_kind),
     )
-    answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
-    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
-        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -563,15 +564,9 @@ def main(args: Args) -> None:
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
         for gen_round in range(args.max_gen_batches):  # noqa: B007 (read after the loop: train/gen_rounds)
+            progress = step / args.total_steps  # curriculum: the step's, for every round
             idx = step_indices(
-                data_round,
-                len(train_prompts),
-                args,
-                rank,
-                world,
-                count=gen_prompts // world,
-                tracker=data.tracker,
-                progress=step / args.total_steps,
+                data_round, len(train_prompts), args, rank, world, gen_prompts // world, data.tracker, progress
             )
             data_round += 1
             t1 = time.time()
@@ -582,17 +577,12 @@ def main(args: Args) -> None:
             round_golds = [train_golds[i] for i in idx for _ in range(args.group_size)]
             round_correct, info = score([c.text for c in outs], round_golds, answer_format=answer_format)
             t_gen, t_reward = t_gen + t2 - t1, t_reward + time.time() - t2
-            keep = (
-                filter_groups(torch.tensor(round_correct), args.group_size)
-                if args.dynamic_sampling
-                else torch.ones(len(idx), dtype=torch.bool)
-            )
+            keep = torch.ones(len(idx), dtype=torch.bool)
+            if args.dynamic_sampling:
+                keep = filter_groups(torch.tensor(round_correct), args.group_size)
             kept += [len(prompts) + k for k in keep.nonzero().flatten().tolist()]
-            prompts, completions, correct = (
-                prompts + [train_prompts[i] for i in idx],
-                completions + outs,
-                correct + round_correct,
-            )
+            prompts += [train_prompts[i] for i in idx]
+            completions, correct = completions + outs, correct + round_correct
             rows += idx  # DATA: the prompt index of every generated group
             reward_info = {k: reward_info.get(k, 0) + v for k, v in info.items()}
             num_kept = int(accelerator.gather(torch.tensor([len(kept)], device=device)).min().item())

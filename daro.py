@@ -339,12 +339,10 @@ class DaroWeights:
 
     def __init__(self, args: Args, device: torch.device | str = "cpu"):
         self.group_size, self.bounds = args.group_size, (math.log(args.daro_w_min), math.log(args.daro_w_max))
-        self.log_w = (
-            torch.zeros(args.group_size + 1, dtype=torch.float64, device=device).clamp(*self.bounds).requires_grad_()
-        )
-        self.optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[args.daro_w_optimizer](
-            [self.log_w], lr=args.daro_w_lr
-        )
+        log_w = torch.zeros(args.group_size + 1, dtype=torch.float64, device=device)  # w = 1, within the bounds
+        self.log_w = log_w.clamp(*self.bounds).requires_grad_()
+        optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[args.daro_w_optimizer]
+        self.optimizer = optimizer([self.log_w], lr=args.daro_w_lr)
 
     def weights(self) -> torch.Tensor:
         """w_mu, detached: the policy step treats them as constants."""
@@ -516,6 +514,10 @@ def main(args: Args) -> None:
 
     sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
+    # the modes "auto" picks, resolved before args.json records them
+    answer_format = args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # the template's
+    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
+        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     if not 0 < args.daro_loss_floor <= 1:
         raise SystemExit(f"--daro-loss-floor must be in (0, 1] (a fraction of M_mu), got {args.daro_loss_floor}")
     if not (0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
@@ -589,9 +591,6 @@ def main(args: Args) -> None:
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len(args, model, sampler_kind),
     )
-    answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
-    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
-        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))

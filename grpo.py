@@ -359,6 +359,10 @@ def main(args: Args) -> None:
 
     sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
+    # the modes "auto" picks, resolved before args.json records them
+    answer_format = args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # the template's
+    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
+        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
@@ -425,9 +429,6 @@ def main(args: Args) -> None:
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len(args, model, sampler_kind),
     )
-    answer_format = answer_format_for(args.prompt_template, args.reward_format)  # --reward-format auto: the template's
-    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
-        args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -441,24 +442,10 @@ def main(args: Args) -> None:
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term
-        ref_model = (
-            AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-            .eval()
-            .requires_grad_(False)
-        )
-        ref_policy = TokenLogProbs(ref_model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel).to(
-            accelerator.device
-        )
-        if (
-            accelerator.distributed_type == DistributedType.DEEPSPEED
-            and accelerator.state.deepspeed_plugin.zero_stage == 3
-        ):
-            import deepspeed  # sharded like the policy (it was loaded partitioned), an engine without optimizer
+    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded like the policy under ZeRO-3)
+        from common.run import load_reference
 
-            ref_policy = deepspeed.initialize(
-                model=ref_policy, config=accelerator.state.deepspeed_plugin.deepspeed_config
-            )[0]
+        ref_policy = load_reference(args, accelerator)
     start_step = 0
     if args.resume:
         last = complete_checkpoints(run_dir)[-1]

@@ -83,7 +83,8 @@ def test_end_to_end_run_directory(script, toy_assets, tmp_path):
     assert all(isinstance(v, (int, float)) for r in rows for v in r.values())
     assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     with open(os.path.join(run_dir, "args.json")) as f:
-        assert json.load(f)["seed"] == 7
+        recorded = json.load(f)  # with the modes "auto" resolved to: the toy template's format, no correction (HF)
+    assert (recorded["seed"], recorded["reward_format"], recorded["rollout_correction"]) == (7, "any", "none")
     assert os.path.exists(os.path.join(run_dir, "samples.jsonl"))
     from transformers import AutoModelForCausalLM
 

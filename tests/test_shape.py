@@ -42,4 +42,3 @@ def test_shared_scaffolding_is_identical():
         if name != "daro":  # DARO's update_policy also steps its bucket weights
             assert functions(src)["update_policy"] == functions(srcs["grpo"])["update_policy"], name
         assert src.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))'), name
-
