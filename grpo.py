@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#grpopy
+# docs and experiment results: README.md#the-algorithms (this script's row, and its section if it has one)
 """GRPO: Group Relative Policy Optimization.
 
 Paper: DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300 (used again in DeepSeek-R1,
@@ -381,6 +381,7 @@ def main(args: Args) -> None:
             f"--model-name-or-path: cannot load {args.model_name_or_path!r}: "
             f"{type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
+    model_len = max_model_len(args, model, sampler_kind)  # what vLLM would refuse is refused here, before any write
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_prompts, train_golds = [], []
@@ -427,7 +428,7 @@ def main(args: Args) -> None:
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=args.vllm_enable_sleep_mode,
-        max_model_len=max_model_len(args, model, sampler_kind),
+        max_model_len=model_len,
     )
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -443,7 +444,7 @@ def main(args: Args) -> None:
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
     if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded like the policy under ZeRO-3)
-        from common.run import load_reference
+        from common.run import load_reference  # here: the scripts' common imports stay identical (test_shape)
 
         ref_policy = load_reference(args, accelerator)
     start_step = 0
@@ -580,9 +581,10 @@ def main(args: Args) -> None:
         reduce = lambda k, v, g=g: getattr(g(v), {"_min": "amin", "_max": "amax"}.get(k[-4:], "mean"))()
         counts = {k: reduce(k, v).item() for k, v in sums.items()}  # *_min / *_max: extremes over ranks
         all_lengths, step_time = g(lengths), time.time() - t0
+        failed = correct.new_tensor(reward_info["timeouts"] + reward_info["errors"])  # verifications scored 0
         metrics = {
             **rollout_metrics(g(correct), all_lengths, g(rewards), g(truncated), args.group_size),
-            "train/reward_timeouts": float(reward_info["timeouts"] + reward_info["errors"]),
+            "train/reward_timeouts": g(failed).sum().item(),
             "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
             **{
                 f"train/{k}": v
@@ -608,7 +610,7 @@ def main(args: Args) -> None:
             metrics["time/eval"] = time.time() - t_eval
         log(metrics, step)
         if writer is not None and args.log_samples_every > 0 and step % args.log_samples_every == 0:
-            log_samples(writer, run_dir, step, [tokenizer.decode(p) for p in prompts], texts, rewards, args.group_size)
+            log_samples(writer, run_dir, step, prompts, texts, rewards, args.group_size, tokenizer.decode)
         eta = (time.time() - start_time) / (step + 1 - start_step) * (args.total_steps - step - 1)
         accelerator.print(
             f"step {step + 1}/{args.total_steps} reward {metrics['train/reward_mean']:.3f} "

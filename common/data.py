@@ -1,12 +1,13 @@
 """Data shared by every script: loading and prompt order, and the data strategies (SPEC §11; seeds/000
 进阶策略探索, seeds/002 Gaussian difficulty).
 
-- loading: `load_rows` (a hub dataset or a local .jsonl/.json/.parquet file), `format_prompt` (the
-  --prompt-template's text), `encode_prompts` (tokenised, over-long prompts and unparseable answers dropped and
-  counted), `step_indices` (a step's prompts: shuffled epochs keyed by (seed, step), so --resume replays them).
+- loading (identical for every algorithm): the templates (`SYSTEM_BOXED`, `R1_TEMPLATE`, `DAPO_TEMPLATE`) and
+  `format_prompt`, `load_rows` (a hub dataset or a local .jsonl/.json/.parquet file), `encode_prompts`
+  (tokenised, over-long prompts and unparseable answers dropped and counted), `epoch_order` / `step_indices` (a
+  step's prompts: shuffled epochs keyed by (seed, step), so --resume replays them).
 
-None of this is part of an algorithm's story: it decides which prompts a step draws and what a group holds.
-Everything is off by default; the scripts call it with identical lines (README "Data strategies").
+The data strategies below are not part of an algorithm's story either: they decide which prompts a step draws and
+what a group holds. All are off by default; the scripts call them with identical lines (README "Data strategies").
 
 - `PromptTracker`: per-prompt pass rate, sample count and response-length mean/variance over every rollout,
   gathered over ranks, optionally seeded by `--difficulty-file` (tools/profile_data.py's output).

@@ -1,7 +1,8 @@
 """What a run shows beyond reward: completion statistics and evaluation scores (SPEC §7, seeds/000 误区三).
 
-Pure functions of completion texts and 0/1 correctness, shared by every script's logging and evaluation.
-No algorithm reads them: they only describe what the policy is doing.
+Completion statistics and evaluation, shared by every script's logging: pure functions of texts and 0/1
+correctness, plus `evaluate` (samples with the run's sampler) and `log_samples` (writes samples.jsonl and
+TensorBoard text). No algorithm reads them: they only describe what the policy is doing.
 
 - repetition: the fraction of a completion's word n-grams that repeat an earlier n-gram (0 = no loop).
 - within-group diversity: distinct word n-grams / total n-grams over a group's completions (1 = all different).
@@ -168,13 +169,14 @@ def rollout_metrics(correct, lengths, rewards, truncated, group_size: int) -> di
     }
 
 
-def log_samples(writer, run_dir: str, step: int, prompts: list[str], texts: list[str], rewards, group_size: int):
+def log_samples(writer, run_dir: str, step: int, prompts, texts: list[str], rewards, group_size: int, decode):
     """The first completion of up to 4 groups, with its prompt and reward, to samples.jsonl and TensorBoard.
-    prompts: one text per group; texts, rewards: one per completion."""
+    prompts: token ids, one list per group (decoded by `decode`, only those written); texts, rewards: one per
+    completion."""
     samples = [
-        {"step": step, "prompt": prompts[i // group_size], "completion": texts[i], "reward": float(rewards[i])}
-        for i in range(0, len(texts), group_size)
-    ][:4]
+        {"step": step, "prompt": decode(prompts[i // group_size]), "completion": texts[i], "reward": float(rewards[i])}
+        for i in range(0, min(len(texts), 4 * group_size), group_size)
+    ]
     with open(os.path.join(run_dir, "samples.jsonl"), "a") as f:
         f.writelines(json.dumps(s) + "\n" for s in samples)
     text = "\n\n---\n\n".join(

@@ -74,7 +74,8 @@ def test_tracker_matches_a_brute_force_count():
 @pytest.mark.slow
 def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
     """grpo.py on 2 processes (torchrun, gloo) with --prompt-sampling medium: after each step the checkpointed tracker
-    holds both ranks' completions, counted by re-drawing each step's prompts from the definition."""
+    holds both ranks' completions, counted by re-drawing each step's prompts from the definition. The verifier also
+    reports rank + 1 timeouts per step (tests/grpo_rank_faults.py): train/reward_timeouts is their sum over ranks."""
     g, p = 4, 4
     flags = toy_flags(
         toy_assets,
@@ -89,11 +90,12 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
             "log-samples-every": 0,
         },
     )
-    cmd = [*launch_cmd(os.path.join(ROOT, "grpo.py")), *flags]
+    cmd = [*launch_cmd(os.path.join(ROOT, "tests", "grpo_rank_faults.py")), *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_dir,) = glob.glob(os.path.join(tmp_path, "d2__*"))
     metrics = read_metrics(run_dir)
+    assert [m["train/reward_timeouts"] for m in metrics] == [3.0, 3.0]  # rank 0's 1 + rank 1's 2
     tracker, prev_c, prev_l = PromptTracker(512), 0.0, 0.0
     for step in (0, 1):
         rows = draw_prompts(tracker, "medium", 1, step, p, step / 2)  # both ranks' prompts: rank r takes [2r, 2r + 2)
