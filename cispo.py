@@ -403,7 +403,7 @@ def main(args: Args) -> None:
     sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
     # the modes "auto" picks, resolved before args.json records them
-    answer_format = args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # the template's
+    args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # auto: the template's format
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
         args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: it drops what they would change
@@ -576,7 +576,7 @@ def main(args: Args) -> None:
             )
             t2 = time.time()
             round_golds = [train_golds[i] for i in idx for _ in range(args.group_size)]
-            round_correct, info = score([c.text for c in outs], round_golds, answer_format=answer_format)
+            round_correct, info = score([c.text for c in outs], round_golds, answer_format=args.reward_format)
             t_gen, t_reward = t_gen + t2 - t1, t_reward + time.time() - t2
             keep = torch.ones(len(idx), dtype=torch.bool)
             if args.dynamic_sampling:

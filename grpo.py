@@ -360,7 +360,7 @@ def main(args: Args) -> None:
     sampler_kind = check_shared_args(args)  # one line for a bad flag, before anything is written (common/run.py)
     set_workers(args.reward_workers)
     # the modes "auto" picks, resolved before args.json records them
-    answer_format = args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # the template's
+    args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # auto: the template's format
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
         args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
@@ -512,7 +512,7 @@ def main(args: Args) -> None:
             sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
         t_gen = time.time() - t0
         texts = [c.text for c in completions]
-        correct, reward_info = score(texts, golds, answer_format=answer_format)
+        correct, reward_info = score(texts, golds, answer_format=args.reward_format)
         t_reward = time.time() - t0 - t_gen
         device = accelerator.device
         correct = torch.tensor(correct, device=device)
