@@ -57,6 +57,7 @@ import torch
 import tyro
 
 from common.data import (
+    STOP_STRINGS,
     data_metrics,
     data_state,
     encode_prompts,
@@ -492,6 +493,7 @@ def main(args: Args) -> None:
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=model_len,
+        stop=STOP_STRINGS.get(args.prompt_template, []),
     )
     policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)

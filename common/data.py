@@ -58,6 +58,7 @@ R1_TEMPLATE = (
     "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>.\n"
     "User: {question}\nAssistant: <think>"
 )
+STOP_STRINGS = {"r1": ["</answer>"]}  # a completion ends there (understand-r1-zero's stop), kept in its text
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"

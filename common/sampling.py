@@ -8,8 +8,8 @@
 
 `generate` returns len(prompts) * n `Completion`s, groups contiguous: [p0 s0..s(n-1), p1 s0.., ...]. Each
 has the generated token ids (EOS included when generated, never padding), the text (special tokens
-skipped), `truncated` (the budget ran out before EOS, vLLM's finish_reason == "length") and, where the
-backend gives them cheaply, the sampler's log-prob of each generated token *after* temperature and top-p
+skipped), `truncated` (the budget ran out before EOS or a stop string: vLLM's finish_reason "length") and, where
+the backend gives them cheaply, the sampler's log-prob of each generated token *after* temperature and top-p
 ("processed" log-probs, what the token was actually drawn from). Both backends sample from the plain
 temperature/top-p distribution: no top-k, no repetition penalty, no defaults taken from the model's
 `generation_config.json`, so the trainer's log_softmax(logits / T) is the distribution that was sampled
@@ -330,13 +330,14 @@ class HFSampler:
     must call `generate` with the same number of prompts (transformers syncs the ranks' forward passes).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 64, seed: int = 0):
+    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 64, seed: int = 0, stop: Sequence[str] = ()):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed = seed
+        self.stop = list(stop)
         self.calls = 0
         gen_model = unwrap_model(model)
         self.eos_token_ids = _eos_ids(tokenizer, gen_model)
@@ -420,6 +421,7 @@ class HFSampler:
             pad_token_id=self.pad_token_id,
             use_cache=True,
             return_dict_in_generate=True,
+            stop_strings=self.stop or None,
         )
         recorder = _ProcessedLogProbs(1.0 if greedy else temperature, 1.0 if greedy else top_p)
         saved = model.generation_config
@@ -430,6 +432,7 @@ class HFSampler:
                 attention_mask=attn.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
+                tokenizer=self.tokenizer if self.stop else None,  # transformers needs it for stop_strings
             )
         finally:
             model.generation_config = saved
@@ -441,15 +444,41 @@ class HFSampler:
             toks = gen[r].tolist()
             hits = torch.isin(gen[r], eos).nonzero()
             end = int(hits[0]) + 1 if len(hits) else len(toks)
+            text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
+            stop_end = _stop_end(text, self.stop)
+            if stop_end is not None:  # the row stopped at a stop string: cut after the token that completed it
+                end = _stop_token_end(toks[:end], self.stop, self.tokenizer)
+                text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
+                text = text[: _stop_end(text, self.stop)]
             toks = toks[:end]
             c = Completion(
                 token_ids=toks,
-                text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                truncated=not len(hits),
+                text=text,
+                truncated=not len(hits) and stop_end is None,
                 logprobs=logps[r, :end].tolist(),
             )
             completions += [c] if not greedy else [_copy(c) for _ in range(n)]
         return completions
+
+
+def _stop_end(text: str, stop: Sequence[str]) -> int | None:
+    """Where `text` ends when cut after the earliest-completing stop string (kept, as vLLM's
+    include_stop_str_in_output=True), or None when no stop string occurs."""
+    ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
+    return min(ends) if ends else None
+
+
+def _stop_token_end(toks: Sequence[int], stop: Sequence[str], tokenizer: Any) -> int:
+    """The smallest k such that toks[:k] decodes to a text holding a stop string (binary search: once a stop string
+    appears in a prefix's text it stays in every longer prefix's)."""
+    lo, hi = 1, len(toks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _stop_end(tokenizer.decode(toks[:mid], skip_special_tokens=True), stop) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _check_request(prompt_token_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> None:
@@ -497,12 +526,14 @@ def _ensure_dist_env() -> None:
 
 
 def _keep_cpu_linear_weights() -> None:
-    """vLLM's CPU backend repacks every linear layer's weight for oneDNN / its own GEMM after loading and drops
-    the original (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`), and the output layer keeps a
-    packed copy. An in-place reload writes the new weights into tensors that the packed kernels never read, so the
-    engine would keep sampling the old policy. This replaces that dispatch, for 2-D weights, by a plain
-    `F.linear` on the live weight (what CUDA does with `UnquantizedLinearMethod`), so reloads reach the kernels.
-    Idempotent; CPU only; the GPU path is not touched. Slower GEMMs, which only matter for CPU runs."""
+    """vLLM's CPU backend packs every linear layer's weight for oneDNN / its own GEMM after loading
+    (`dispatch_cpu_unquantized_gemm`) and drops the original (`remove_weight=True`); the output layer keeps its
+    weight next to a packed copy. Kernels read only the packed copies, so a weight push that writes into the layers'
+    parameters (`load_weights`, or a tied output layer that the reload never revisits) would leave the engine
+    sampling the old policy. This keeps every 2-D weight (`remove_weight=False`, so pushes have a destination) and
+    marks the layer, and `_repack_cpu_linears` packs again from the live weights after each push: vLLM's packed
+    GEMMs stay (~1.4x faster than `F.linear` on SmolLM2-135M, benchmarks/real_model.py) and see every push.
+    Idempotent; CPU only; the GPU path is not touched."""
     from vllm.model_executor.layers import utils as layer_utils
 
     original = layer_utils.dispatch_cpu_unquantized_gemm
@@ -512,10 +543,24 @@ def _keep_cpu_linear_weights() -> None:
     def dispatch_keeping_weights(layer: nn.Module, remove_weight: bool) -> None:
         if layer.weight.is_meta or layer.weight.ndim != 2:
             return original(layer, remove_weight)
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+        original(layer, remove_weight=False)
+        layer._repack_cpu_linear = True  # packed from layer.weight: pack again after a push
 
     dispatch_keeping_weights._keeps_weights = True  # type: ignore[attr-defined]
+    dispatch_keeping_weights._original = original  # type: ignore[attr-defined]
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weights
+
+
+def _repack_cpu_linears(model: nn.Module) -> int:
+    """Packs every layer `_keep_cpu_linear_weights` marked again from its current weight (vLLM's own CPU dispatch);
+    returns how many. Runs inside the engine (`llm.apply_model`) after each weight push on CPU."""
+    from vllm.model_executor.layers import utils as layer_utils
+
+    dispatch = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "_original", None)
+    layers = [m for m in model.modules() if getattr(m, "_repack_cpu_linear", False)]
+    for layer in layers if dispatch is not None else []:
+        dispatch(layer, remove_weight=False)
+    return len(layers)
 
 
 @contextlib.contextmanager
@@ -577,8 +622,9 @@ class VLLMSampler:
     weights are garbage until pushed, so `generate` refuses to run before `update_weights`.
 
     On CPU (vLLM's CPU build): `dtype="auto"` is float32, the trainer's, so the canary measures the sync and not
-    bf16 noise; the engine runs eagerly (`enforce_eager=True`); linear weights are kept unpacked so reloads reach
-    them (`_keep_cpu_linear_weights`); attention needs a head_dim its CPU kernels support (64 works, 16 does not).
+    bf16 noise; the engine runs eagerly (`enforce_eager=True`); vLLM's packed CPU GEMMs are packed again from the
+    pushed weights after each push (`_keep_cpu_linear_weights`); prompts are prefilled whole (no chunked prefill);
+    attention needs a head_dim its CPU kernels support (64 works, 16 does not).
     Building the engine leaves the trainer's RNG states and torch thread count as they were.
     """
 
@@ -596,6 +642,7 @@ class VLLMSampler:
         sleep_level: Literal[1, 2] = 1,
         weight_sync: Literal["reload_weights", "load_weights"] = "reload_weights",
         bucket_bytes: int = 1 << 30,
+        stop: Sequence[str] = (),
         **llm_kwargs: Any,
     ):
         if sleep_level not in (1, 2):
@@ -614,6 +661,10 @@ class VLLMSampler:
             dtype = "bfloat16" if cuda else "float32"
         if not cuda:
             llm_kwargs.setdefault("enforce_eager", True)  # no compilation on CPU: a CPU run is a test or a debug run
+            # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with set_offset,
+            # which CPU generators lack ("CPU Generator does not use offset"): schedule whole prompts only
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own CPU setting, in GiB, wins when set
                 import psutil  # a vLLM dependency
 
@@ -626,7 +677,8 @@ class VLLMSampler:
             from vllm import LLM
             from vllm.platforms import current_platform
 
-            if current_platform.is_cpu():
+            self.cpu = current_platform.is_cpu()
+            if self.cpu:
                 _keep_cpu_linear_weights()
             self.llm = LLM(
                 model=model_name_or_path,
@@ -642,6 +694,7 @@ class VLLMSampler:
                 **llm_kwargs,
             )
         self.seed = seed
+        self.stop = list(stop)
         self.calls = 0
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
@@ -688,6 +741,8 @@ class VLLMSampler:
         else:
             for bucket in iter_weight_buckets(model, self.bucket_bytes):
                 self.llm.apply_model(lambda m, b=bucket: m.load_weights(b))
+        if self.cpu:  # vLLM's CPU GEMMs read packed copies of the weights: pack them again from the new ones
+            self.llm.apply_model(_repack_cpu_linears)
         if sleeping:
             self.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
@@ -720,6 +775,8 @@ class VLLMSampler:
                 flat_logprobs=True,
                 detokenize=True,
                 skip_special_tokens=True,
+                stop=self.stop or None,
+                include_stop_str_in_output=True,  # the text keeps the stop string, as the tokens do
                 seed=_request_seed(self.seed, call, i, rows),
             )
             for i in range(len(prompt_token_ids))
@@ -800,11 +857,13 @@ def make_sampler(
     model_name_or_path: str,
     seed: int,
     hf_batch_size: int = 64,
+    stop: Sequence[str] = (),
     **vllm_kwargs: Any,
 ) -> Sampler:
     """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
     tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine
-    loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`."""
+    loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`.
+    `stop`: strings that end a completion (kept in its text and tokens, `truncated` False), on both backends."""
     if resolve_sampler(kind) == "vllm":
-        return VLLMSampler(model_name_or_path, seed=seed, **vllm_kwargs)
-    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed)
+        return VLLMSampler(model_name_or_path, seed=seed, stop=stop, **vllm_kwargs)
+    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop)
