@@ -229,7 +229,8 @@ class Args:
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
     (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 

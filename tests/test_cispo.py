@@ -254,7 +254,7 @@ def test_overlong_penalty_is_dapos_reward(l_max, l_cache):
 
 def test_overlong_penalty_weighs_as_in_dapo():
     """G = 4, correct [1, 1, 0, 0], R_len [0, -0.75, 0, -1]: DAPO's +-1 + R_len gives the advantages
-    [1.08, 0.52, -0.42, -1.18]; 1[correct] + R_len would give [1.14, 0.23, -0.08, -1.29] (the penalty twice as heavy)."""
+    [1.08, 0.52, -0.42, -1.18]; 1[correct] + R_len would give [1.14, 0.23, -0.08, -1.29] (penalty weighed twice)."""
     args = make_args(group_size=4, max_new_tokens=20, overlong_buffer_len=4, overlong_penalty=True)
     lengths = torch.tensor([16, 19, 10, 20])  # R_len = (16 - |y|) / 4 clipped to [-1, 0]: 0, -0.75, 0, -1
     adv = cispo.compute_advantages(
