@@ -497,3 +497,17 @@ def test_normalised_weights_have_mean_one_over_present_buckets():
     adv0 = daro.compute_advantages(all_or_none[:8], args)
     loss0, _ = daro.compute_policy_loss(logps0[:8], old0[:8], adv0, mask0[:8], norm, weights=w)
     assert loss0.item() == 0.0
+
+
+@pytest.mark.slow
+def test_loss_target_with_a_rollout_correction_runs_end_to_end(toy_assets, tmp_path):
+    """main computes pi_old's log-probs for the loss target's corrected L_mu even with one update per rollout: the
+    toy run trains, and HF generate's own fp32 log-probs give weights of 1 (test_rollout_correction.py)."""
+    from tests.test_scripts import read_metrics, run_script, toy_flags
+
+    extra = {"daro-w-target": "loss", "rollout-correction": "token-truncate", "exp-name": "rc"}
+    run_script("daro", toy_flags(toy_assets, str(tmp_path), 2, **extra))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "rc__*"))
+    updated = [r for r in read_metrics(run_dir) if r["train/no_signal"] == 0]
+    assert updated and all(abs(r["train/rollout_corr_weight_mean"] - 1) < 1e-4 for r in updated)
+    assert all("train/daro_w_0.5" in r for r in updated)
