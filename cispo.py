@@ -30,7 +30,8 @@ So the default is a hybrid: ScaleRL's cap with MiniMax's 16 off-policy updates. 
 default, as in ScaleRL); README "cispo.py" gives the command. Not implemented: ScaleRL's other changes
 (prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
 Choices the papers leave open: std is unbiased, eps_std = 1e-6, a zero-variance group gets A = 0; the reward is
-0/1 (with group std the +-1 scale changes nothing but eps_std); dynamic sampling as in dapo.py.
+0/1, and +-1 (DAPO's) with --overlong-penalty: with group std the scale alone changes nothing but eps_std, but
+R_len adds to it, so on 0/1 the penalty would weigh twice as much as in DAPO; dynamic sampling as in dapo.py.
 Verifier: DAPO's "Answer:" line (--reward-format auto with the dapo template). Not from either paper:
 --rollout-correction (TRL / verl; on by default with vLLM), which multiplies the CISPO weight.
 
@@ -131,9 +132,9 @@ class Args:
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "dapo"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt (kept as is where present)"""
-    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
-    """where the verifier reads the final answer (a completion without one scores 0, a format error); auto: from
-    --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag; see README "Answer formats")"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"] = "auto"
+    """where the verifier reads the final answer (none there: 0, a format error); answer-line-strict: verl math_dapo's
+    verdict exactly; auto: from --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)"""
     max_prompt_tokens: int = 2048
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
@@ -213,7 +214,8 @@ class Args:
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
     (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 
@@ -229,7 +231,7 @@ class Args:
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
     overlong_penalty: bool = False
-    """add DAPO's soft overlong punishment (DAPO eq. 13) to the 0/1 reward (MiniMax-M1 uses it; off: ScaleRL's form)"""
+    """add DAPO's soft overlong punishment (eq. 13) to DAPO's +-1 reward (MiniMax-M1 uses it; off: ScaleRL's 0/1)"""
     overlong_buffer_len: int = 4096
     """L_cache: completions longer than max_new_tokens - L_cache are penalised linearly, down to -1 at max_new_tokens"""
     overlong_penalty_factor: float = 1.0
@@ -264,10 +266,11 @@ class Args:
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
-    """The outcome reward: 1 for a verified answer, 0 otherwise (MiniMax §3.1: rule-based verifier), with
-    --overlong-penalty plus DAPO's soft overlong punishment (DAPO eq. 13, MiniMax §3.1 uses it; as dapo.py)
-    R_len = clip(((L_max - L_cache) - |y|) / L_cache, -1, 0) times --overlong-penalty-factor, L_max = max_new_tokens."""
-    rewards = correct.float()
+    """The outcome reward: 1 for a verified answer, 0 otherwise (MiniMax §3.1: rule-based verifier). With
+    --overlong-penalty, DAPO's reward exactly (as dapo.py): +-1 (eq. 7) plus the soft overlong punishment (eq. 13,
+    MiniMax §3.1 uses it) R_len = clip(((L_max - L_cache) - |y|) / L_cache, -1, 0) times --overlong-penalty-factor,
+    L_max = max_new_tokens. The +-1 scale matters once R_len is added: on 0/1 the penalty would weigh twice as much."""
+    rewards = correct.float() * 2 - 1 if args.overlong_penalty else correct.float()
     if args.overlong_penalty:
         expected_len = args.max_new_tokens - args.overlong_buffer_len
         r_len = ((expected_len - lengths.float()) / args.overlong_buffer_len).clamp(min=-1.0, max=0.0)

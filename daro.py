@@ -32,8 +32,9 @@ the bucket pulls on the policy:
     mini-batch, and is then clamped to [ln w_min, ln w_max]. The optimum is w_mu = 1/M_mu, i.e. every bucket's
     weighted advantage mass w_mu M_mu is the same (1). With SGD, near the optimum this is an exponential moving
     average of ln(1/M_mu) at rate lr.
-  - --daro-w-target loss fits w to the write-up's literal w_mu L_mu = 1, with L_mu at the rollout policy (r = 1, no
-    extra forward) floored at --daro-loss-floor x M_mu, so -ln w_mu stays bounded (README "DARO's weights").
+  - --daro-w-target loss fits w to the write-up's literal w_mu L_mu = 1, with L_mu at the rollout policy (r = 1,
+    the policy step's rollout-correction weight included, for which pi_old is computed even with one update per
+    rollout) floored at --daro-loss-floor x M_mu, so -ln w_mu stays bounded (README "DARO's weights").
   - Step size: at the converged weights the policy step is ~(buckets present) / (token mean of |A|), ~10x, the
     token-mean baseline's (train/daro_weighted_mass / train/daro_mass); --daro-w-normalize, an ablation, scales the
     weights the policy step uses to mean 1 over the present buckets (README "DARO's weights").
@@ -149,9 +150,9 @@ class Args:
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt"""
-    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
-    """where the verifier reads the final answer (a completion without one scores 0, a format error); auto: from
-    --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag; see README "Answer formats")"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"] = "auto"
+    """where the verifier reads the final answer (none there: 0, a format error); answer-line-strict: verl math_dapo's
+    verdict exactly; auto: from --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)"""
     max_prompt_tokens: int = 1024
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
@@ -230,7 +231,8 @@ class Args:
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
     (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 
@@ -312,18 +314,17 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
     return onehot
 
 
-def bucket_mass(
-    advantages: torch.Tensor, bucket: torch.Tensor, mask: torch.Tensor, args: Args, num_tokens=None
-) -> torch.Tensor:
+def bucket_mass(advantages, bucket, mask, args: Args, num_tokens=None, old_logps=None, rollout_logps=None):
     """[3, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
     are learnt on (module docstring); row 1: the number of sequences in bucket mu; row 2: L_mu at r = 1, i.e.
-    -1/L sum_{i in mu} |o_i| A_i (the bucket loss at the rollout policy, where PPO's clip is inactive). With the
-    mini-batch's num_tokens every row adds up over micro-batches, and their mean over ranks is the mini-batch's
-    (row 1 divided by the world size, like num_seqs)."""
+    -1/L sum_{i in mu} A_i sum_t rc_it, the policy step's bucket loss at the rollout policy (PPO's clip inactive; rc:
+    its rollout-correction weight from old_logps, rollout_logps; 1 without old_logps). With the mini-batch's
+    num_tokens every row adds up over micro-batches; their mean over ranks is the mini-batch's (row 1 / world size)."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    rc = 1.0 if old_logps is None else rollout_correction(old_logps, rollout_logps, mask, args)[0]
     mass = onehot.T @ (advantages.double().abs() * mask.sum(-1)) / denom
-    return torch.stack([mass, onehot.sum(0), onehot.T @ (-advantages.double() * mask.sum(-1)) / denom])
+    return torch.stack([mass, onehot.sum(0), onehot.T @ (-advantages.double() * (rc * mask).double().sum(-1)) / denom])
 
 
 def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> torch.Tensor:
@@ -463,9 +464,10 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
             # index copies, before the loop
             chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
-            # ALGO LOGIC: M_mu of the whole mini-batch over all ranks, then one w step
+            # ALGO LOGIC: M_mu and L_mu (rollout-corrected) of the whole mini-batch over all ranks, then one w step
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)
-            sums_mu = bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens)
+            old_rollout = [batch[k][idx] if k in batch else None for k in ("old_logps", "sampler_logps")]
+            sums_mu = bucket_mass(advantages[idx], bucket[idx], mask[idx], args, num_tokens, *old_rollout)
             mass, bucket_seqs, onpolicy_loss = accelerator.reduce(sums_mu, "mean")
             daro.step(w_target(mass, onpolicy_loss, args), bucket_seqs > 0)
             for j, (c, p_w, c_w) in enumerate(chunks):
@@ -717,7 +719,8 @@ def main(args: Args) -> None:
             batch["sampler_logps"] = pad_logprobs([c.logprobs for c in completions], mask.shape[1]).to(device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
-            if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
+            rc_loss = args.daro_w_target == "loss" and args.rollout_correction != "none"  # ALGO LOGIC: L_mu's weight
+            if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay or rc_loss) and has_signal:  # pi_old once
                 batch["old_logps"] = compute_logps(policy, batch, args)
             finish_batch(data, train, batch, args)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:

@@ -133,9 +133,9 @@ class Args:
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's 'reason step by step ... \\boxed{}' chat prompt;
     r1: the R1-Zero <think>/<answer> template; dapo: DAPO's 'Answer:' chat prompt"""
-    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
-    """where the verifier reads the final answer (a completion without one scores 0, a format error); auto: from
-    --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag; see README "Answer formats")"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"] = "auto"
+    """where the verifier reads the final answer (none there: 0, a format error); answer-line-strict: verl math_dapo's
+    verdict exactly; auto: from --prompt-template (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)"""
     max_prompt_tokens: int = 1024
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
@@ -214,7 +214,8 @@ class Args:
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
     (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (TRL's default)"""
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 

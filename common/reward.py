@@ -1,12 +1,14 @@
 """Math answer reward: math-verify on the completion's final answer, bounded in time and memory.
 
-Extraction is plain string scanning in the caller, in one of four answer formats (`ANSWER_FORMATS`): "boxed", the
+Extraction is plain string scanning in the caller, in one of five answer formats (`ANSWER_FORMATS`): "boxed", the
 last `\\boxed{}` / `\\fbox{}` (Qwen-Math's verifier, Dr. GRPO's official code); "answer-line", the last `Answer: ...`
-in the last 300 characters (DAPO's verifier, verl `math_dapo`); "answer-tag", the last `<answer>...</answer>` (the R1
+in the last 300 characters (DAPO's verifier, verl `math_dapo`); "answer-line-strict", math_dapo's verdict exactly
+(its string normalisation and equality, no math-verify); "answer-tag", the last `<answer>...</answer>` (the R1
 template); "any", the first of those found, else the last number of the last line (bare-answer data). A completion
-with no answer in the required format is a format error and scores 0. An answer longer than `MAX_ANSWER_CHARS` or
-holding lone surrogates scores 0 as an error without being parsed; one equal to the gold string scores 1
-without math-verify. Nothing is ever `eval`-ed.
+with no answer in the required format is a format error and scores 0. Before math-verify, a number written `NeM`
+(`3.83e35`, `6.6E-34`) becomes `N \\times 10^{M}` on both sides (`sci_to_latex`): math-verify reads a bare e as
+Euler's number. An answer longer than `MAX_ANSWER_CHARS` or holding lone surrogates scores 0 as an error without
+being parsed; one equal to the gold string scores 1 without math-verify. Nothing is ever `eval`-ed.
 
 Parsing (gold cached once per worker) and `verify` run in worker processes, by default as many as the cores
 this process may use divided among the node's local ranks (`default_workers`; `set_workers` overrides). A worker is
@@ -62,11 +64,13 @@ _ANSWER_LINE = re.compile(r"^[^\w\n]*(?:final[ \t]+)?answer[^\w\n:]*:(.*)$", re.
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the R1 template's answer tags
 _DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # verl math_dapo's answer_pattern (is_correct_minerva)
 _DAPO_TAIL = 300  # math_dapo reads only the last 300 characters ("the longest answer in MATH-500 has 159")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+|[eE][+-]?\d+)?")  # thousands: "2,125"
+# scientific notation: digits, e or E (at most one space either side), a signed integer; not inside a word or number
+_SCI = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+) ?[eE] ?([+-]?\d+)(?![\w.])")
 _INTEGER = re.compile(r"-?\d{1,30}")  # decided without math-verify (see the module docstring)
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
-ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-tag")
+ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-line-strict", "answer-tag")
 TEMPLATE_ANSWER_FORMATS = {"none": "any", "qwen-boxed": "boxed", "dapo": "answer-line", "r1": "answer-tag"}
 
 
@@ -100,9 +104,47 @@ def _last_boxed(text: str, limit: int | None = None) -> str | None:
 
 
 def _answer_line(line: str, limit: int | None) -> str | None:
-    """The answer on an `Answer:` line: a box on it wins; trailing periods, `**` and `$...$` wrappers go."""
-    boxed = _last_boxed(line, limit) if _BOX.search(line) else None
-    return boxed if boxed is not None else _unwrap(line.strip().rstrip(".").strip("* "))
+    """The answer on an `Answer:` line: the last box on it if one opens there (None if it never closes, e.g. cut
+    off by the budget); else the line without trailing periods, `**` around it and `$ $`, `\\( \\)`, `\\[ \\]`."""
+    starts = [m.start() for m in _BOX.finditer(line)]
+    return _last_boxed(line[starts[-1] :], limit) if starts else _unwrap(line.strip().rstrip(".").strip("* "))
+
+
+# verl math_dapo's normalize_final_answer (Minerva, Lewkowycz et al. 2022, appendix D), for "answer-line-strict"
+_DAPO_SUBSTITUTIONS = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"))
+_DAPO_SUBSTITUTIONS += ((",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_DAPO_REMOVED = (
+    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes digits cents degrees cm gm "
+    "pounds meters meals edges students childrentickets multiples \\text{s} \\text{.}"
+).split() + [
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+]
+_DAPO_REMOVED += ["\\;", ",\\!", "{,}", '"', "\\dots"]
+
+
+def dapo_normalize(answer: str) -> str:
+    """verl math_dapo's `normalize_final_answer`: the text after the last `=`, fixed substitutions and unit words
+    removed, `$...$`, `\\text{}`, `\\textbf{}`, `\\overline{}`, `\\boxed{}` unwrapped, `\\fracab` / `\\sqrta`
+    expanded, and thousands commas dropped from a whole number. "answer-line-strict" compares the results as strings."""
+    s = answer.split("=")[-1]
+    for before, after in _DAPO_SUBSTITUTIONS:
+        s = s.replace(before, after)
+    for expr in _DAPO_REMOVED:
+        s = s.replace(expr, "")
+    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
+    for macro in ("text", "textbf", "overline"):
+        s = re.sub(rf"(\\{macro}\{{)(.*?)(\}})", "\\2", s)
+    s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
+    s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
+    s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s).replace("$", "")
+    return (s.replace(",", "") if s.replace(",", "").isdigit() else s).strip()
 
 
 def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | None:
@@ -113,8 +155,10 @@ def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | 
         return (
             ((_last_boxed(tags[-1], limit) if _BOX.search(tags[-1]) else _unwrap(tags[-1])) or None) if tags else None
         )
-    if answer_format == "answer-line":  # math_dapo: the last match of its pattern in the last 300 characters
+    if answer_format in ("answer-line", "answer-line-strict"):  # math_dapo: its pattern's last match in the tail
         lines = _DAPO_ANSWER.findall(text[-_DAPO_TAIL:])
+        if answer_format == "answer-line-strict":  # math_dapo's own normalised prediction, compared as a string
+            return (dapo_normalize(lines[-1]) or None) if lines else None
         return (_answer_line(lines[-1], limit) or None) if lines else None
     if answer_format != "any":
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
@@ -131,7 +175,7 @@ def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | 
     if boxed is None:  # no answer marker at all: the last number of the last non-empty line
         last_line = text.strip().rsplit("\n", 1)[-1][-200:]
         numbers = _NUMBER.findall(last_line)
-        boxed = numbers[-1] if numbers else None
+        boxed = numbers[-1].replace(",", "") if numbers else None
     return boxed or None
 
 
@@ -140,9 +184,11 @@ def extract_final_answer(text: str, answer_format: str = "any") -> str | None:
 
     "any": the first of the last `\\boxed{}`/`\\fbox{}` content (balanced braces); the last `<answer>...</answer>`
     (a box inside wins); the last line starting `Answer:` / `Final answer:`; the last number on the last line (bare
-    answers such as "7"). "boxed": the last box only. "answer-tag": the last `<answer>...</answer>` only (a box
-    inside wins). "answer-line": the last `Answer: ...` (case-insensitive, anywhere on a line, as verl's math_dapo)
-    within the last 300 characters (a box on it wins). `$...$`, `\\(...\\)` and `\\[...\\]` wrappers are removed."""
+    answers such as "7", thousands commas dropped). "boxed": the last box only. "answer-tag": the last
+    `<answer>...</answer>` only (a box inside wins). "answer-line": the last `Answer: ...` (case-insensitive, anywhere
+    on a line, as verl's math_dapo) within the last 300 characters; a box opening on it wins (no answer if it never
+    closes), else trailing periods and `**` go. `$...$`, `\\(...\\)` and `\\[...\\]` wrappers are removed.
+    "answer-line-strict": the same line as math_dapo normalises it (`dapo_normalize`), nothing else removed."""
     return _extract(text, None, answer_format)
 
 
@@ -160,7 +206,13 @@ def _parse(answer: str) -> list[Any]:
 
     # a bare string is not LaTeX to math-verify until it sits in an environment such as \boxed{}
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return parse(f"\\boxed{{{answer}}}", config, parsing_timeout=None)
+    return parse(f"\\boxed{{{sci_to_latex(answer)}}}", config, parsing_timeout=None)
+
+
+def sci_to_latex(answer: str) -> str:
+    """`3.83e35`, `3.83 E 35`, `6.6e-34` -> `3.83 \\times 10^{35}` ...: math-verify reads e as Euler's number. e with no
+    digits on both sides (`2e`, `e^{2}`, `x e 5`, `2e - 1`) is left alone; `2e-1` is read as 0.2."""
+    return _SCI.sub(r"\1 \\times 10^{\2}", answer)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -417,6 +469,8 @@ def score(
             counts["format_errors"] += 1
         elif len(ans) > MAX_ANSWER_CHARS or _SURROGATE.search(ans):
             counts["errors"] += 1
+        elif answer_format == "answer-line-strict":  # math_dapo: normalised strings, equal or not
+            scores[i] = float(ans == dapo_normalize(gold_text(str(gold))))
         elif ans == gold_text(str(gold)):
             scores[i] = 1.0
         else:

@@ -226,9 +226,11 @@ def test_defaults_are_the_papers():
 
 
 @pytest.mark.parametrize("l_max,l_cache", [(20, 8), (7, 7), (10, 1)])
-def test_overlong_penalty_is_dapos_soft_punishment_on_the_0_1_reward(l_max, l_cache):
-    """--overlong-penalty (MiniMax-M1 §3.1 keeps DAPO's length penalty): R = 1[correct] + factor * R_len, with R_len
-    from DAPO eq. 13 case by case (tests.test_dapo.soft_overlong); off by default (ScaleRL)."""
+def test_overlong_penalty_is_dapos_reward(l_max, l_cache):
+    """--overlong-penalty (MiniMax-M1 §3.1 keeps DAPO's length penalty) is DAPO's reward exactly: R = +-1 (DAPO eq. 7)
+    + factor * R_len, R_len from DAPO eq. 13 case by case (tests.test_dapo.soft_overlong), equal to dapo.py's; off by
+    default (ScaleRL): the 0/1 reward."""
+    import dapo
     from tests.test_dapo import soft_overlong
 
     lengths = torch.arange(0, l_max + 3)
@@ -238,11 +240,26 @@ def test_overlong_penalty_is_dapos_soft_punishment_on_the_0_1_reward(l_max, l_ca
             max_new_tokens=l_max, overlong_buffer_len=l_cache, overlong_penalty=True, overlong_penalty_factor=factor
         )
         got = cispo.compute_rewards(correct, lengths, lengths >= l_max, args)
-        want = [c + factor * soft_overlong(int(n), l_max, l_cache) for c, n in zip(correct.tolist(), lengths)]
+        want = [2 * c - 1 + factor * soft_overlong(int(n), l_max, l_cache) for c, n in zip(correct.tolist(), lengths)]
         torch.testing.assert_close(
             got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6
         )  # fp32 reward
+        dapo_args = dapo.Args(max_new_tokens=l_max, overlong_buffer_len=l_cache, overlong_penalty_factor=factor)
+        assert got.tolist() == dapo.compute_rewards(correct, lengths, lengths >= l_max, dapo_args).tolist()
     off = cispo.compute_rewards(
         correct, lengths, lengths >= l_max, make_args(max_new_tokens=l_max, overlong_buffer_len=l_cache)
     )
     assert off.tolist() == correct.tolist()
+
+
+def test_overlong_penalty_weighs_as_in_dapo():
+    """G = 4, correct [1, 1, 0, 0], R_len [0, -0.75, 0, -1]: DAPO's +-1 + R_len gives the advantages
+    [1.08, 0.52, -0.42, -1.18]; 1[correct] + R_len would give [1.14, 0.23, -0.08, -1.29] (penalty weighed twice)."""
+    args = make_args(group_size=4, max_new_tokens=20, overlong_buffer_len=4, overlong_penalty=True)
+    lengths = torch.tensor([16, 19, 10, 20])  # R_len = (16 - |y|) / 4 clipped to [-1, 0]: 0, -0.75, 0, -1
+    adv = cispo.compute_advantages(
+        cispo.compute_rewards(torch.tensor([1, 1, 0, 0]), lengths, lengths >= 20, args), args
+    )
+    r = torch.tensor([1.0, 0.25, -1.0, -2.0], dtype=torch.float64)  # +-1 + R_len
+    torch.testing.assert_close(adv.double(), (r - r.mean()) / (r.std() + args.adv_eps), rtol=0, atol=1e-6)
+    assert [round(a, 2) for a in adv.tolist()] == [1.08, 0.52, -0.42, -1.18]

@@ -369,6 +369,40 @@ def test_update_policy_steps_the_weights_then_uses_them(given):
     assert sums["loss"].item() == pytest.approx(loss.item(), rel=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["token-truncate", "token-mask", "sequence-truncate", "sequence-mask"])
+def test_loss_target_is_the_policy_steps_bucket_loss_with_the_rollout_correction(mode):
+    """--daro-w-target loss fits w to L_mu exactly as the policy step has it: at the rollout policy (r = 1) each
+    token's term is -rc_it A_i, rc the rollout-correction weight. bucket_mass's row 2 equals the policy step's
+    train/daro_L_mu with weights far from 1, and update_policy steps w on that corrected L_mu."""
+    args = make_args(daro_w_target="loss", rollout_correction=mode, rollout_correction_cap=1.5, daro_loss_floor=0.01)
+    args.micro_batch_size = 5
+    rewards, mask, old, _ = rollout(7)
+    rollout_logps = old + 0.3 * torch.randn(old.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    adv, bucket = daro.compute_advantages(rewards, args), daro.pass_rate_bucket(rewards, args)
+    _, stats = daro.compute_policy_loss(old, old, adv, mask, args, rollout_logps=rollout_logps, bucket=bucket)
+    policy_step = torch.tensor(
+        [0.0] + [stats[f"daro_L_{c / G:.4g}"].item() for c in range(1, G)] + [0.0], dtype=torch.float64
+    )
+    _, _, onpolicy = daro.bucket_mass(adv, bucket, mask, args, None, old, rollout_logps)
+    torch.testing.assert_close(onpolicy, policy_step, rtol=0, atol=1e-12)
+    uncorrected = torch.tensor(brute_onpolicy_loss(adv, mask, bucket, G), dtype=torch.float64)
+    mass = torch.tensor(brute_mass(adv, mask, bucket, G), dtype=torch.float64)
+    target = daro.w_target(mass, policy_step, args)
+    assert (target - daro.w_target(mass, uncorrected, args)).abs().max() > 1e-3  # the weight matters here
+    # update_policy: the w step's L_mu is the corrected one (pi_old given, as main computes it for this target)
+    ids = torch.randint(0, 50, (24, 2 + 6), generator=torch.Generator().manual_seed(1))
+    batch = {"ids": ids, "attn": torch.cat([torch.ones(24, 2, dtype=torch.long), mask], 1), "mask": mask, "p_len": 2}
+    state, want = daro.DaroWeights(args), daro.DaroWeights(args)
+    batch.update(advantages=adv, lens=[(2, int(k)) for k in mask.sum(1)], old_logps=old, sampler_logps=rollout_logps)
+    batch.update(daro=state, bucket=bucket)
+    policy = TablePolicy(50)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    want.step(target, mass > 0)
+    torch.testing.assert_close(state.weights(), want.weights(), rtol=1e-12, atol=0)
+
+
 def test_defaults_are_the_papers():
     a = daro.Args()
     assert not hasattr(a, "beta")  # no KL (W eq. 2)
@@ -463,3 +497,17 @@ def test_normalised_weights_have_mean_one_over_present_buckets():
     adv0 = daro.compute_advantages(all_or_none[:8], args)
     loss0, _ = daro.compute_policy_loss(logps0[:8], old0[:8], adv0, mask0[:8], norm, weights=w)
     assert loss0.item() == 0.0
+
+
+@pytest.mark.slow
+def test_loss_target_with_a_rollout_correction_runs_end_to_end(toy_assets, tmp_path):
+    """main computes pi_old's log-probs for the loss target's corrected L_mu even with one update per rollout: the
+    toy run trains, and HF generate's own fp32 log-probs give weights of 1 (test_rollout_correction.py)."""
+    from tests.test_scripts import read_metrics, run_script, toy_flags
+
+    extra = {"daro-w-target": "loss", "rollout-correction": "token-truncate", "exp-name": "rc"}
+    run_script("daro", toy_flags(toy_assets, str(tmp_path), 2, **extra))
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "rc__*"))
+    updated = [r for r in read_metrics(run_dir) if r["train/no_signal"] == 0]
+    assert updated and all(abs(r["train/rollout_corr_weight_mean"] - 1) < 1e-4 for r in updated)
+    assert all("train/daro_w_0.5" in r for r in updated)

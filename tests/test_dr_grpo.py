@@ -224,3 +224,20 @@ def test_truncated_completions_get_reward_zero():
         0.0,
         0.0,
     ]  # GRPO keeps it
+
+
+def test_evaluation_does_not_apply_the_truncation_rule():
+    """As oat's evaluation (understand-r1-zero zeroes truncated outputs in the actor's training step only), a cut-off
+    completion that holds the right answer counts as correct in evaluation; training gives it reward 0 (README)."""
+    from common.metrics import evaluate
+    from common.sampling import Completion
+
+    class Sampler:
+        def generate(self, prompts, k, temperature, top_p, max_new_tokens):
+            return [Completion([1, 2], r"so \boxed{4}, and then", truncated=True) for _ in prompts for _ in range(k)]
+
+    args = dr_grpo.Args(eval_samples=2)
+    assert args.truncated_reward == "zero"
+    metrics = evaluate(Sampler(), {"toy.jsonl": ([[5]], ["4"])}, None, args)
+    assert metrics["eval/toy/avg@2"] == metrics["eval/toy/pass@2"] == metrics["eval/toy/maj@2"] == 1.0
+    assert dr_grpo.compute_rewards(torch.tensor([1.0]), torch.tensor([2]), torch.tensor([True]), args).item() == 0.0

@@ -191,6 +191,35 @@ FORMAT_CASES = [
     ("<think>the answer is 4</think> 4", "4", {"any": 1, "answer-tag": 0}),  # no tags
     ("<answer>4", "4", {"answer-tag": 0}),  # unclosed tag
     ("<answer>3</answer> <answer>4</answer>", "4", {"answer-tag": 1}),
+    # a box opening on the answer line that never closes (cut off by the budget) is no answer (math_dapo: -1)
+    ("Work.\nAnswer: \\boxed{5", "5", {"answer-line": 0, "answer-line-strict": 0}),
+    ("Work.\nAnswer: \\boxed{3} or \\boxed{5", "3", {"answer-line": 0}),
+    ("Work.\nAnswer: \\boxed{5}", "5", {"answer-line": 1, "answer-line-strict": 1}),
+    # what answer-line strips and math_dapo does not (README "Answer formats"); answer-line-strict: math_dapo's verdict
+    ("Work.\n**Answer:** 5", "5", {"answer-line": 1, "answer-line-strict": 0}),
+    ("Work.\nAnswer: 5.", "5", {"answer-line": 1, "answer-line-strict": 0}),
+    ("Work.\nAnswer: \\(5\\)", "5", {"answer-line": 1, "answer-line-strict": 0}),
+    ("Work.\nAnswer: 5", "5", {"answer-line-strict": 1}),
+    ("Work.\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}", {"answer-line": 1, "answer-line-strict": 1}),
+    ("Work.\nAnswer: 0.5", "\\frac{1}{2}", {"answer-line": 1, "answer-line-strict": 0}),  # strings, no math-verify
+    ("Work.\nAnswer: x = 2,125 dollars", "2125", {"answer-line-strict": 1}),  # after '=', units and commas go
+    ("Work.\nAnswer: \\text{(B)}", "(B)", {"answer-line-strict": 1}),
+    ("Answer: 42\n" + "x" * 300, "42", {"answer-line-strict": 0}),  # the last 300 characters only
+    ("Work.\nAnswer: 41\nAnswer: 42", "42", {"answer-line-strict": 1}),
+    ("Work.\nno answer line", "no answer line", {"answer-line-strict": 0}),
+    # scientific notation: math-verify alone reads e as Euler's number
+    ("Answer: 3.83e35", "3.83 \\times 10^{35}", {"answer-line": 1, "any": 1}),
+    (r"\boxed{3.83 \times 10^{35}}", "3.83e35", {"boxed": 1}),
+    (r"\boxed{6.6E-34}", r"6.6 \times 10^{-34}", {"boxed": 1}),
+    (r"\boxed{3.83 e 35}", r"383 \times 10^{33}", {"boxed": 1}),
+    (r"\boxed{3.83e35}", r"3.83 \times 10^{34}", {"boxed": 0}),
+    (r"\boxed{e \cdot 2}", "2e", {"boxed": 1}),  # Euler's number stays Euler's number
+    (r"\boxed{2e - 1}", "-1 + 2e", {"boxed": 1}),
+    (r"\boxed{2e}", "2 \\times 10", {"boxed": 0}),
+    # the last-number fallback keeps thousands separators (GSM8K's "#### 2,125")
+    ("So she pays 2,000 + 125.\n#### 2,125", "2125", {"any": 1}),
+    ("The total is 1,234,567.5", "1234567.5", {"any": 1}),
+    ("The numbers are 1, 2, 3", "123", {"any": 0}),
 ]
 
 
@@ -219,3 +248,37 @@ def test_answer_format_for_templates_and_bad_format():
     assert answer_format_for("r1", "boxed") == "boxed"
     with pytest.raises(ValueError, match="answer_format"):
         score(["4"], ["4"], answer_format="latex")
+
+
+def test_scientific_notation_rewrite_leaves_euler_and_words_alone():
+    from common.reward import sci_to_latex
+
+    assert sci_to_latex("3.83e35") == sci_to_latex("3.83 E 35") == r"3.83 \times 10^{35}"
+    assert sci_to_latex("6.6e-34") == r"6.6 \times 10^{-34}" and sci_to_latex(".5e+2") == r".5 \times 10^{+2}"
+    for text in ("2e", "e", "e^{2}", "x e 5", "2e - 1", "x2e5", "0x1e5", "1.5e-3x", "1.2.3e5", r"\frac{1}{2}e^{3}"):
+        assert sci_to_latex(text) == text, text
+
+
+def test_thousands_separators_in_the_last_number():
+    assert extract_final_answer("#### 2,125") == "2125"
+    assert extract_final_answer("The numbers are 1, 2, 3") == "3"  # a list, not 123
+    assert extract_final_answer("pairs 1,2,3") == "3"  # groups of exactly 3 digits only
+    assert extract_final_answer("about -12,345,678.25 in all") == "-12345678.25"
+
+
+def test_answer_line_strict_is_math_dapos_prediction():
+    """extract_final_answer in answer-line-strict is math_dapo's normalised prediction (what maj@k votes on)."""
+    assert extract_final_answer("Answer: $\\frac{1}{2}$", "answer-line-strict") == "\\frac{1}{2}"
+    assert extract_final_answer("**Answer:** 5", "answer-line-strict") == "**5"
+    assert extract_final_answer("Answer: \\boxed{5", "answer-line-strict") == "\\boxed{5"
+    assert extract_final_answer("Answer: \\fracab", "answer-line-strict") == "\\frac{a}{b}"
+    assert extract_final_answer("Answer: 90^\\circ", "answer-line-strict") == "90"
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro"])
+def test_every_script_offers_every_answer_format(script):
+    import importlib
+    import typing
+
+    hint = typing.get_type_hints(importlib.import_module(script).Args)["reward_format"]
+    assert typing.get_args(hint) == ("auto", *reward.ANSWER_FORMATS)

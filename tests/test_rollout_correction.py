@@ -181,3 +181,23 @@ def test_hf_sampler_run_weights_are_one_in_fp32_and_auto_is_off(toy_assets, tmp_
                 and abs(r["train/rollout_corr_weight_max"] - 1) < 1e-4
             )
             assert r["train/rollout_corr_capped_frac"] == 0
+
+
+def test_the_help_names_trls_default_as_the_installed_trl_has_it():
+    """TRL 1.16's GRPOConfig defaults to sequence masking with clip_max 3, not to token truncation at 2 (that is
+    verl's `rollout_is: token` and oat's TIS): every script's --rollout-correction-cap help and README say so, with
+    the values read from the installed TRL."""
+    import dataclasses
+    import os
+
+    trl = pytest.importorskip("trl")
+    cfg = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
+    mode, cap = cfg["vllm_importance_sampling_mode"].replace("_", "-"), cfg["vllm_importance_sampling_clip_max"]
+    assert cfg["vllm_importance_sampling_correction"] and mode in MODES
+    want = f"TRL {'.'.join(trl.__version__.split('.')[:2])}'s default is {mode} with {cap:g}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in [f"{s}.py" for s in SCRIPTS] + ["README.md"]:
+        with open(os.path.join(root, name)) as f:
+            text = " ".join(f.read().split())  # docstrings wrap lines
+        assert want in text and "verl's and oat's TIS" in text, name
+        assert "masked (TRL's default)" not in text, name
