@@ -2,7 +2,7 @@
 """DARO: Difficulty-Aware Reweighting Policy Optimization.
 
 Paper: Zhou, Ma, Liang, Shen, Cui, Zhang 2025, https://arxiv.org/abs/2510.09001. Source read for this file: the
-first author's write-up of the paper (shared/seeds/002, cited "W eq. n"); the PDF and code were not available.
+first author's write-up of the paper (cited "W eq. n"); the PDF and code were not available.
 
 What this algorithm changes: GRPO's token-mean loss is a sum over difficulty buckets, and DARO learns a weight per
 bucket. The rollout's completions are bucketed by their group's pass rate mu = #correct / G. Bucket mu's loss L_mu
@@ -45,12 +45,12 @@ values of the micro-batches add up.
 
 Defaults. From the write-up: the base loss, i.e. token-mean (W eq. 2, following LitePPO), no KL (W eq. 2 has none),
 a symmetric clip eps (W eq. 2's f), mu = 0, 1 excluded (W eq. 4), and 128 prompts per step for 500 steps (its worked
-example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one of the paper's three models per
-its abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2,
-max length 1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As
-in grpo.py, std is the unbiased estimator, eps_std = 1e-6, and a zero-variance group gets A = 0.
-Not from the write-up: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
---rollout-correction (TRL / verl; on by default with vLLM), applied to each token's term before the bucket sums.
+example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one of the paper's three models per its
+abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2, max length
+1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As in grpo.py,
+std is the unbiased estimator, eps_std = 1e-6, and a zero-variance group gets A = 0. Not from the write-up: the
+\\boxed{} verifier of the qwen-boxed template (--reward-format auto), and --rollout-correction (TRL / verl; on by
+default with vLLM), applied to each token's term before the bucket sums.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -257,8 +257,7 @@ class Args:
     daro_loss_floor: float = 0.1
     """--daro-w-target loss: L_mu is floored at this fraction of M_mu, so w_mu <= 1/(floor M_mu): -ln w_mu is bounded"""
     daro_w_normalize: bool = False
-    """ablation: the policy step uses w_mu scaled to mean 1 over the buckets present in the mini-batch (the same
-    reweighting at about GRPO's token-mean step size, not ~(number of buckets) x larger; README "DARO's weights")"""
+    """ablation: the policy step's w_mu scaled to mean 1 over the buckets present (README "DARO's weights")"""
 
     # Evaluation
     eval_every: int = 0
@@ -315,11 +314,10 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(advantages, bucket, mask, args: Args, num_tokens=None, old_logps=None, rollout_logps=None):
-    """[3, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu that the weights
-    are learnt on (module docstring); row 1: the number of sequences in bucket mu; row 2: L_mu at r = 1, i.e.
-    -1/L sum_{i in mu} A_i sum_t rc_it, the policy step's bucket loss at the rollout policy (PPO's clip inactive; rc:
-    its rollout-correction weight from old_logps, rollout_logps; 1 without old_logps). With the mini-batch's
-    num_tokens every row adds up over micro-batches; their mean over ranks is the mini-batch's (row 1 / world size)."""
+    """[3, G+1] float64. Row 0: M_mu = 1/L sum_{i in mu} |o_i| |A_i|, the positive stand-in for L_mu the weights are
+    learnt on (module docstring); row 1: the number of sequences in bucket mu; row 2: L_mu at r = 1, -1/L sum_{i in mu}
+    A_i sum_t rc_it, the policy step's bucket loss at the rollout policy (rc: its rollout-correction weight; 1 without
+    old_logps). With the mini-batch's num_tokens every row adds up over micro-batches and ranks (row 1 / world size)."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     rc = 1.0 if old_logps is None else rollout_correction(old_logps, rollout_logps, mask, args)[0]
