@@ -158,7 +158,7 @@ def run_info(device, world: int) -> dict:
         "versions": versions,
         "git_commit": commit,
         "git_dirty": dirty,
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type,
         "cpu_threads": torch.get_num_threads(),
         "world_size": world,
     }

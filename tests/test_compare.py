@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import random
 import re
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def test_t_quantiles_match_closed_forms_and_tables():
             > compare.t_quantile(0.975, df)
             > compare.t_quantile(0.975, math.ceil(df))
         )
+
+
+def test_window_means_against_brute_force():
+    rng = random.Random(0)
+    points = sorted((s, rng.random()) for s in rng.sample(range(200), 60))  # uneven steps, as eval rows are
+    for window in (1, 3, 10, 500):
+        brute = [
+            sum(v for t, v in points if s - window < t <= s) / sum(1 for t, _ in points if s - window < t <= s)
+            for s, _ in points
+        ]
+        assert compare.window_means(points, window) == pytest.approx(brute, rel=1e-12)
 
 
 def test_mean_interval_and_welch_difference_against_a_hand_computation(tmp_path):

@@ -158,23 +158,28 @@ def load_run(path: str, include_incomplete: bool = False) -> Run | str:
         return "no args.json (not a run directory, or killed before it was written)"
     except (json.JSONDecodeError, OSError) as e:
         return f"args.json unreadable ({e})"
+    if not isinstance(args, dict):
+        return "args.json does not hold the flags"
     try:
         with open(os.path.join(path, "metrics.jsonl")) as f:
             lines = f.readlines()
     except FileNotFoundError:
         return "no metrics.jsonl (killed before its first step?)"
+    except OSError as e:
+        return f"metrics.jsonl unreadable ({e.strerror})"
     if not lines:
         return "metrics.jsonl is empty (killed before its first step?)"
     rows = []
     for i, line in enumerate(lines):
         try:
-            if not line.endswith("\n"):
+            row = json.loads(line)
+            if not line.endswith("\n") or not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError
-            rows.append(json.loads(line))
+            rows.append(row)
         except ValueError:
             where = "its last line is cut off (killed while writing)" if i == len(lines) - 1 else f"line {i + 1}"
             return f"metrics.jsonl: {where} is not a whole JSON row"
-    last, total = rows[-1].get("step", -1), args.get("total_steps")
+    last, total = rows[-1]["step"], args.get("total_steps")
     if not include_incomplete and isinstance(total, int) and total > 0 and last < total - 1:
         return f"stopped at step {last + 1} of {total} (killed, or still running: --include-incomplete keeps it)"
     return Run(path, args, rows)
@@ -188,7 +193,8 @@ def differing_args(runs: list[Run]) -> list[str]:
 
 def group_runs(runs: list[Run], by: str = "auto") -> tuple[dict[str, list[Run]], list[str]]:
     """({label: runs}, notes) with the groups sorted by label; notes are one-line warnings: a group
-    that mixes settings, a seed twice in a group, runs from several commits or package versions."""
+    that mixes settings, a seed twice in a group, runs from several commits, package versions, devices, world
+    sizes or thread counts (args.json's "run")."""
     if by == "auto":
         by = "exp-name" if len({r.exp_name for r in runs}) > 1 else "args"
     groups: dict[str, list[Run]] = {}
@@ -207,7 +213,7 @@ def group_runs(runs: list[Run], by: str = "auto") -> tuple[dict[str, list[Run]],
         seeds = [m.args.get("seed") for m in members]
         if len(set(seeds)) < len(seeds):
             notes.append(f"group {label!r} has a seed more than once ({seeds}): such runs are not independent")
-    for what in ("git_commit", "versions", "git_dirty"):
+    for what in ("git_commit", "git_dirty", "versions", "device", "world_size", "cpu_threads"):
         seen = {json.dumps(r.args.get("run", {}).get(what), sort_keys=True) for r in runs if "run" in r.args}
         if len(seen) > 1:
             notes.append(f"the runs differ in {what}: {', '.join(sorted(seen))}")
@@ -216,10 +222,12 @@ def group_runs(runs: list[Run], by: str = "auto") -> tuple[dict[str, list[Run]],
 
 def window_means(points: list[tuple[int, float]], window: int) -> list[float]:
     """At each logged step s, the mean of the values logged at steps in (s - window, s]."""
-    out = []
-    for s, _ in points:
-        vals = [v for t, v in points if s - window < t <= s]
-        out.append(sum(vals) / len(vals))
+    out, start, total = [], 0, 0.0
+    for i, (s, v) in enumerate(points):  # steps ascend in metrics.jsonl
+        total += v
+        while points[start][0] <= s - window:
+            total, start = total - points[start][1], start + 1
+        out.append(total / (i + 1 - start))
     return out
 
 
@@ -299,7 +307,8 @@ def table(rows: list[dict], baseline: str, style: str = "text") -> str:
 
 def plot(groups: dict[str, list[Run]], keys: list[str], out: str, window: int = 1, title: str | None = None) -> str:
     """One panel per key: each group's mean curve over its seeds (at the steps every seed logged, each seed's curve
-    smoothed over `window` points first) with the 95% t interval of the mean as a band."""
+    smoothed over `window` points first) with the 95% t interval of the mean as a band. A curve ends where a seed
+    stops logging the key (e.g. a run whose groups are all solved trains no more and logs no loss or entropy)."""
     import matplotlib
 
     matplotlib.use("Agg")
