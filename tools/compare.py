@@ -341,9 +341,14 @@ def plot(groups: dict[str, list[Run]], keys: list[str], out: str, window: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("runs", nargs="+", help="run directories (<exp-name>__<seed>__<unix time>)")
-    p.add_argument("--group-by", choices=["auto", "exp-name", "args"], default="auto", help="see the module docstring")
+    p.add_argument(
+        "--group-by",
+        choices=["auto", "exp-name", "args"],
+        default="auto",
+        help="exp-name; args: the flags that differ; auto: exp-name if the runs have several",
+    )
     p.add_argument("--baseline", default=None, help="the group the others are compared to (default: the first by name)")
     p.add_argument(
         "--keys", nargs="+", default=None, help="metric keys (default: every eval/ key, train accuracy and reward)"
