@@ -86,6 +86,7 @@ from common.run import (
     complete_checkpoints,
     max_model_len,
     new_run_dir,
+    run_info,
     start_tracking,
     trim_logs,
 )
@@ -468,7 +469,7 @@ def main(args: Args) -> None:
     if accelerator.is_main_process:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
+            json.dump({**asdict(args), "run": run_info(accelerator.device, world)}, f, indent=2)  # flags, versions
         if args.track:  # Weights & Biases syncs the TensorBoard events written below
             start_tracking(args, run_dir)
         writer = SummaryWriter(run_dir)

