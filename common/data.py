@@ -22,13 +22,14 @@ what a group holds. All are off by default; the scripts call them with identical
   are drawn from P without replacement (successive sampling, as Gumbel top-k), so none takes two groups of a
   step. The RNG is keyed by (seed, step): every rank draws the same list (the tracker is identical everywhere)
   and takes its slice.
-- `train_groups` (before the batch is built): the tracker counts the step's own samples, then `inject_and_replay`:
+- `train_groups` (before the batch is built): `inject_and_replay`, then the tracker counts the step's own samples.
   `--gt-injection` replaces the last completion of an all-wrong group by a verified demonstration (on at most
   --gt-injection-max-frac of a rank's groups); `--replay` replaces a group with no signal (all rewards equal)
   by the newest group of a `ReplayBuffer` of high-value groups at most --replay-max-age steps old, whose
   per-token log-probs under the generating policy were stored. `finish_batch` (after): replayed rows take those
   log-probs, with the ratio of rows with A < 0 capped at REPLAY_RATIO_CAP, and new high-value groups are stored.
-- health metrics live in common/metrics.py (`completion_stats`).
+  `data_metrics`: what the strategies did this step (data/* keys, README "Metrics").
+- health metrics live in common/metrics.py (`health_metrics`, over all ranks).
 """
 
 from __future__ import annotations
@@ -472,9 +473,9 @@ def inject_and_replay(
 def train_groups(
     data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args, accelerator, step, keep=None
 ) -> TrainGroups:
-    """The data strategies before the batch is built. The tracker counts the step's own samples of every rank
-    (rows: this rank's, one per group; correct: per completion) with the forgetting rule, after the groups'
-    estimates were read; then `inject_and_replay` (golds: one per training row, all of them)."""
+    """The data strategies before the batch is built: `inject_and_replay` (golds: one per training row, all of
+    them), which reads the estimates before this step; then the tracker counts the step's own samples of every rank
+    (rows: this rank's, one per group; correct: per completion) with the forgetting rule."""
     train = inject_and_replay(
         data, rows, prompts, completions, correct, [golds[r] for r in rows], tokenizer, args, step, keep
     )
