@@ -80,11 +80,11 @@ from common.data import (
     encode_prompts,
     finish_batch,
     init_data,
-    inject_and_replay,
     load_data_state,
     load_rows,
     load_solutions,
     step_indices,
+    train_groups,
 )
 from common.loss import (
     TokenLogProbs,
@@ -96,7 +96,7 @@ from common.loss import (
     pad_logprobs,
     rollout_correction,
 )
-from common.metrics import completion_stats, evaluate, log_samples, rollout_metrics
+from common.metrics import evaluate, health_metrics, log_samples, rollout_metrics
 from common.reward import answer_format_for, score, set_workers
 from common.run import (
     check_shared_args,
@@ -181,8 +181,8 @@ class Args:
 
     # Data strategies (README "Data strategies", SPEC §11): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
-    """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass
-    rate around a target going from 1 to 0 over the run; medium: a Gaussian of it with mean 0.5, std 0.1"""
+    """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
+    around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""
     difficulty_file: str | None = None
     """tools/profile_data.py output: its per-prompt pass rates and lengths seed the tracker (the prior)"""
     gt_injection: bool = False
@@ -194,6 +194,16 @@ class Args:
     """a group with no signal is replaced by the newest buffered high-value group, with its stored old log-probs"""
     replay_buffer_size: int = 64
     """high-value groups each rank keeps for --replay (oldest dropped first)"""
+    replay_max_age: int = 10
+    """--replay: buffered groups generated more than this many steps ago are dropped, not replayed"""
+    gt_injection_max_frac: float = 1.0
+    """--gt-injection: at most this share of a rank's groups per step get a demonstration (the rest may be replayed)"""
+    tracker_half_life: float = 10.0
+    """steps after which a pass-rate observation weighs half, so estimates follow the policy (0: never forget)"""
+    uniform_floor: float = 0.5
+    """curriculum/medium: the share of the draw probability spread uniformly over all prompts, so none starves"""
+    curriculum_min_target: float = 0.2
+    """curriculum: the target pass rate at the end of the run (0 ends on prompts that no sample solves)"""
 
     # Optimisation
     learning_rate: float = 1e-6
@@ -552,7 +562,7 @@ def main(args: Args) -> None:
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
         solutions = load_solutions(args)  # DATA: --solution-column, then the tracker and replay buffer
-        data = init_data(args, questions, solutions, train_prompts, tokenizer)
+        data = init_data(args, questions, solutions, train_prompts, tokenizer, accelerator.print)
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:
@@ -686,15 +696,8 @@ def main(args: Args) -> None:
         advantages = compute_advantages(rewards, args)
         # DATA: --gt-injection and --replay change the groups trained on (then their advantages); correct, lengths,
         # rewards and texts stay the policy's own samples, which the tracker and the metrics describe
-        train = inject_and_replay(
-            data, rows, prompts, completions, correct.tolist(), [train_golds[i] for i in rows], tokenizer, args
-        )
-        data.tracker.update(
-            *(
-                accelerator.gather(torch.tensor(x, device=device)).tolist()
-                for x in (rows, correct.tolist(), lengths.tolist())
-            ),
-            args.group_size,
+        train = train_groups(
+            data, rows, prompts, completions, correct.tolist(), train_golds, tokenizer, args, accelerator, step
         )
         if train.changed:
             advantages = compute_advantages(compute_rewards(*train.tensors(device), args), args)
@@ -751,10 +754,7 @@ def main(args: Args) -> None:
             **rollout_metrics(g(correct), all_lengths, g(rewards), g(truncated), args.group_size),
             "train/reward_timeouts": g(failed).sum().item(),
             "train/format_error_frac": g(correct.new_tensor(reward_info["format_errors"] / len(texts))).mean().item(),
-            **{
-                f"train/{k}": v
-                for k, v in completion_stats(texts, correct.tolist(), args.group_size, lengths.tolist()).items()
-            },
+            **health_metrics(texts, correct, lengths, args.group_size, accelerator),
             **data_metrics(train, data, accelerator),
             **{f"train/{k}": v for k, v in counts.items()},
             "train/no_signal": float(not has_signal),

@@ -9,25 +9,34 @@
 The data strategies below are not part of an algorithm's story either: they decide which prompts a step draws and
 what a group holds. All are off by default; the scripts call them with identical lines (README "Data strategies").
 
-- `PromptTracker`: per-prompt pass rate, sample count and response-length mean/variance over every rollout,
-  gathered over ranks, optionally seeded by `--difficulty-file` (tools/profile_data.py's output).
-  Estimated pass rate: the posterior mean under a Beta(1, 1) prior, (correct + 1) / (samples + 2), so an
-  unseen prompt counts as 0.5.
-- `sampling_weights` / `draw_prompts`: `--prompt-sampling medium` weights a prompt by a Gaussian of its
-  estimated pass rate p, exp(-(p - 0.5)^2 / (2 * 0.1^2)) (seeds/002's first attempt); `curriculum` by
-  exp(-(p - tau)^2 / (2 * 0.2^2)) with the target tau = 1 - progress going linearly from 1 (easy) to 0 (hard)
-  over the run. The step's prompts are drawn i.i.d. with P(i) = w_i / sum w, from an RNG keyed by (seed,
-  step), the same draw on every rank (the tracker is identical everywhere), each rank taking its slice.
-- `inject_and_replay`: `--gt-injection` replaces the last completion of an all-wrong group by a verified
-  demonstration; `--replay` replaces a group with no signal (all rewards equal) by the newest group of a
-  `ReplayBuffer` of high-value groups, whose per-token log-probs under the generating policy were stored.
-- health metrics live in common/metrics.py (`completion_stats`).
+- `PromptTracker`: per-prompt sample and correct counts over every rollout, gathered over ranks, optionally seeded
+  by `--difficulty-file` (tools/profile_data.py's output). Estimated pass rate: the posterior mean under a
+  Beta(1, 1) prior, (correct + 1) / (samples + 2), so an unseen prompt counts as 0.5. Forgetting: before each
+  step's counts are added, all counts are multiplied by 0.5 ** (1 / --tracker-half-life), so an observation
+  weighs half after that many steps: estimates follow the moving policy, and a prompt not drawn for long drifts
+  back to 0.5 (uncertain) instead of keeping what an early policy did on it.
+- `draw_probabilities` / `draw_prompts`: `--prompt-sampling medium` weights a prompt by a Gaussian of its
+  estimated pass rate p, w = exp(-(p - 0.5)^2 / (2 * 0.1^2)); `curriculum` by exp(-(p - tau)^2 / (2 * 0.2^2)),
+  the target tau going linearly from 1 (easy) to --curriculum-min-target over the run. A share --uniform-floor
+  of the probability is uniform, P(i) = (1 - f) w_i / sum w + f / N, so no prompt starves; the step's prompts
+  are drawn from P without replacement (successive sampling, as Gumbel top-k), so none takes two groups of a
+  step. The RNG is keyed by (seed, step): every rank draws the same list (the tracker is identical everywhere)
+  and takes its slice.
+- `train_groups` (before the batch is built): `inject_and_replay`, then the tracker counts the step's own samples.
+  `--gt-injection` replaces the last completion of an all-wrong group by a verified demonstration (on at most
+  --gt-injection-max-frac of a rank's groups); `--replay` replaces a group with no signal (all rewards equal)
+  by the newest group of a `ReplayBuffer` of high-value groups at most --replay-max-age steps old, whose
+  per-token log-probs under the generating policy were stored. `finish_batch` (after): replayed rows take those
+  log-probs, with the ratio of rows with A < 0 capped at REPLAY_RATIO_CAP, and new high-value groups are stored.
+  `data_metrics`: what the strategies did this step (data/* keys, README "Metrics").
+- health metrics live in common/metrics.py (`health_metrics`, over all ranks).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +50,7 @@ from common.sampling import Completion
 MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
 REPLAY_HARD, REPLAY_EASY = 0.2, 0.8  # a group is high-value when its prompt's estimate is below / above these
+REPLAY_RATIO_CAP = 3.0  # dual-clip's c (Ye et al. 2020; verl's clip_ratio_c): the bound on replayed rows with A < 0
 DEMO_FORMAT = {
     "none": "The answer is \\boxed{{{a}}}.",
     "qwen-boxed": "The answer is \\boxed{{{a}}}.",
@@ -170,40 +180,38 @@ def step_indices(
     count = args.prompts_per_step // world if count is None else count
     if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
         progress = step / max(args.total_steps, 1) if progress is None else progress
-        drawn = draw_prompts(tracker, args.prompt_sampling, args.seed, step, count * world, progress)
+        p = draw_probabilities(
+            tracker.pass_rate(), args.prompt_sampling, progress, args.uniform_floor, args.curriculum_min_target
+        )
+        drawn = draw_prompts(p, args.seed, step, count * world)
         return drawn[rank * count : (rank + 1) * count]
     start = (step * world + rank) * count
     return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
 
 
 class PromptTracker:
-    """Per-prompt counts over all ranks' rollouts (float64, so sums are exact for any realistic run)."""
+    """Per-prompt counts over all ranks' rollouts, decayed by the forgetting rule (float64)."""
 
     def __init__(self, num_prompts: int) -> None:
         self.samples = np.zeros(num_prompts)
         self.correct = np.zeros(num_prompts)
-        self.len_sum = np.zeros(num_prompts)
-        self.len_sq = np.zeros(num_prompts)
+        self.groups = np.zeros(num_prompts)  # groups sampled per prompt over the run (never forgotten): coverage
 
-    def update(self, rows: list[int], correct: list[float], lengths: list[float], group_size: int) -> None:
-        """Adds one rollout: `rows` one prompt index per group, `correct`/`lengths` one value per completion."""
+    def update(self, rows: list[int], correct: list[float], group_size: int, half_life: float = 0.0) -> None:
+        """Adds one step's rollout: `rows` one prompt index per group, `correct` one value per completion, after
+        multiplying every count by 0.5 ** (1 / half_life) (half_life 0: no forgetting)."""
+        if half_life > 0:
+            decay = 0.5 ** (1.0 / half_life)
+            self.samples *= decay
+            self.correct *= decay
+        np.add.at(self.groups, np.asarray(rows, dtype=np.int64), 1.0)
         idx = np.repeat(np.asarray(rows, dtype=np.int64), group_size)
-        c, n = np.asarray(correct, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
         np.add.at(self.samples, idx, 1.0)
-        np.add.at(self.correct, idx, c)
-        np.add.at(self.len_sum, idx, n)
-        np.add.at(self.len_sq, idx, n * n)
+        np.add.at(self.correct, idx, np.asarray(correct, dtype=np.float64))
 
     def pass_rate(self) -> np.ndarray:
         """Posterior mean pass rate under a Beta(1, 1) prior: (correct + 1) / (samples + 2); 0.5 when unseen."""
         return (self.correct + 1.0) / (self.samples + 2.0)
-
-    def length_mean(self) -> np.ndarray:
-        return self.len_sum / np.maximum(self.samples, 1.0)
-
-    def length_var(self) -> np.ndarray:
-        """Population variance of the response lengths (0 when unseen)."""
-        return np.maximum(self.len_sq / np.maximum(self.samples, 1.0) - self.length_mean() ** 2, 0.0)
 
     def load_prior(self, path: str, keys: list[str]) -> int:
         """Counts from a tools/profile_data.py file: a row of K samples at pass rate p counts as K samples of which
@@ -220,44 +228,55 @@ class PromptTracker:
                 same = isinstance(i, int) and 0 <= i < len(keys) and keys[i] == row.get("prompt")
                 targets = [i] if same else where.get(row.get("prompt"), [])
                 k = float(row.get("samples", 1))
-                mean, std = float(row.get("length_mean", 0.0)), float(row.get("length_std", 0.0))
                 for i in targets:
                     self.samples[i] += k
                     self.correct[i] += float(row["pass_rate"]) * k
-                    self.len_sum[i] += mean * k
-                    self.len_sq[i] += (std * std + mean * mean) * k
                 matched += bool(targets)
         return matched
 
     def state_dict(self) -> dict[str, list[float]]:
-        return {k: getattr(self, k).tolist() for k in ("samples", "correct", "len_sum", "len_sq")}
+        return {k: getattr(self, k).tolist() for k in ("samples", "correct", "groups")}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
-        for k, v in state.items():
-            getattr(self, k)[:] = np.asarray(v, dtype=np.float64)
+        for k in ("samples", "correct", "groups"):  # older checkpoints: length sums (not read), no groups
+            if k in state:
+                getattr(self, k)[:] = np.asarray(state[k], dtype=np.float64)
 
 
-def sampling_weights(pass_rate: np.ndarray, mode: str, progress: float) -> np.ndarray:
+def sampling_weights(pass_rate: np.ndarray, mode: str, progress: float, min_target: float = 0.0) -> np.ndarray:
     """Unnormalised draw weight of each prompt (see the module docstring for the definitions)."""
     if mode == "medium":
         return np.exp(-((pass_rate - MEDIUM_MEAN) ** 2) / (2 * MEDIUM_STD**2))
     if mode == "curriculum":
-        target = 1.0 - min(max(progress, 0.0), 1.0)
+        target = 1.0 - (1.0 - min_target) * min(max(progress, 0.0), 1.0)
         return np.exp(-((pass_rate - target) ** 2) / (2 * CURRICULUM_STD**2))
     raise ValueError(f"no weights for --prompt-sampling {mode!r}")
 
 
-def draw_prompts(tracker: PromptTracker, mode: str, seed: int, step: int, count: int, progress: float) -> list[int]:
-    """`count` prompt indices drawn i.i.d. with P(i) proportional to `sampling_weights`, from an RNG keyed by
-    (seed, step) alone: every rank draws the same list (and takes its slice), a resumed run the same as before."""
-    w = sampling_weights(tracker.pass_rate(), mode, progress)
-    w = w / w.sum() if w.sum() > 0 else np.full(len(w), 1.0 / len(w))  # all weights underflowed: uniform
-    return np.random.default_rng([seed, step, 11]).choice(len(w), size=count, replace=True, p=w).tolist()
+def draw_probabilities(
+    pass_rate: np.ndarray, mode: str, progress: float, floor: float, min_target: float = 0.0
+) -> np.ndarray:
+    """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor`. (The Gaussians are
+    >= exp(-12.5) on [0, 1], so sum w never underflows.)"""
+    w = sampling_weights(pass_rate, mode, progress, min_target)
+    return (1.0 - floor) * w / w.sum() + floor / len(w)
+
+
+def draw_prompts(p: np.ndarray, seed: int, step: int, count: int) -> list[int]:
+    """`count` prompt indices drawn from `p` without replacement (successive sampling: the first with P(i), the
+    next from the rest renormalised, ...; as Gumbel top-k: the largest log p_i + Gumbel noise), from an RNG keyed by
+    (seed, step) alone: every rank draws the same list, a resumed run the same as before. More than len(p):
+    passes of len(p) each."""
+    rng, logp, out = np.random.default_rng([seed, step, 11]), np.log(p), []
+    while len(out) < count:
+        keys = logp + rng.gumbel(size=len(p))
+        out += np.argsort(-keys, kind="stable")[: count - len(out)].tolist()
+    return out
 
 
 @dataclass
 class ReplayBuffer:
-    """High-value groups with their generating policy's per-token log-probs, newest last, at most `size`."""
+    """High-value groups with their generating policy's per-token log-probs and step, newest last, at most `size`."""
 
     size: int
     groups: list[dict[str, Any]] = field(default_factory=list)
@@ -266,8 +285,11 @@ class ReplayBuffer:
         self.groups.append(group)
         del self.groups[: max(0, len(self.groups) - self.size)]  # the oldest go first
 
-    def pop(self) -> dict[str, Any] | None:
-        """The newest group (the least stale), removed: a group is replayed once."""
+    def pop(self, step: int = 0, max_age: int | None = None) -> dict[str, Any] | None:
+        """The newest group (the least stale), removed: a group is replayed once. Groups generated more than
+        `max_age` steps before `step` are dropped (groups from checkpoints that did not record a step count as new)."""
+        if max_age is not None:
+            self.groups = [g for g in self.groups if step - g.get("step", step) <= max_age]
         return self.groups.pop() if self.groups else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -312,16 +334,27 @@ class DataStrategies:
 
 def check_args(args) -> None:
     """One-line SystemExit for bad data-strategy flags (before anything is written)."""
-    if args.replay and args.replay_buffer_size < 1:
-        raise SystemExit(f"--replay-buffer-size must be >= 1 with --replay, got {args.replay_buffer_size}")
+    if args.replay and (args.replay_buffer_size < 1 or args.replay_max_age < 1):
+        raise SystemExit(
+            f"--replay-buffer-size and --replay-max-age must be >= 1 with --replay, got {args.replay_buffer_size} "
+            f"and {args.replay_max_age}"
+        )
     if args.solution_column and not args.gt_injection:
         raise SystemExit("--solution-column is read only by --gt-injection: add --gt-injection or drop it")
     if args.difficulty_file and not os.path.isfile(args.difficulty_file):
         raise SystemExit(f"--difficulty-file: no such file {args.difficulty_file!r}")
+    for flag in ("uniform_floor", "curriculum_min_target", "gt_injection_max_frac"):
+        if not 0.0 <= getattr(args, flag) <= 1.0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be in [0, 1], got {getattr(args, flag)}")
+    if args.tracker_half_life < 0:
+        raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
 
 
-def init_data(args, questions, solutions, train_prompts, tokenizer, format_prompt=format_prompt) -> DataStrategies:
-    """The run's tracker (with --difficulty-file's prior), an empty replay buffer and the solution texts."""
+def init_data(
+    args, questions, solutions, train_prompts, tokenizer, log=print, format_prompt=format_prompt
+) -> DataStrategies:
+    """The run's tracker (with --difficulty-file's prior), an empty replay buffer and the solution texts. `log`
+    (the main process's print) gets one line for each setting that quietly does less than it seems to."""
     tracker = PromptTracker(len(train_prompts))
     if args.difficulty_file:
         if not tracker.load_prior(args.difficulty_file, [tokenizer.decode(p) for p in train_prompts]):
@@ -329,6 +362,16 @@ def init_data(args, questions, solutions, train_prompts, tokenizer, format_promp
                 f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name "
                 "(same --prompt-template?)"
             )
+    elif args.prompt_sampling == "curriculum":
+        log(
+            "note: --prompt-sampling curriculum without --difficulty-file: every prompt starts at an estimated pass "
+            "rate of 0.5, so the first steps order nothing (tools/profile_data.py writes a profile)"
+        )
+    if args.gt_injection and not args.solution_column:
+        log(
+            "note: --gt-injection without --solution-column: demonstrations are the bare reference answer "
+            "(no reasoning; counted in data/gt_injected_bare)"
+        )
     by_ids = {}
     if solutions:  # training rows are what encode_prompts kept: match them by their prompt tokens
         for q, s in zip(questions, solutions):
@@ -364,7 +407,10 @@ class TrainGroups:
     fresh: list[bool]  # per group: sampled this step (possibly with an injected demonstration)
     injected: list[bool]  # per group
     pass_rate: list[float]  # per group: the tracker's estimate for its prompt, before this step
+    rows: list[int]  # per group: the training row sampled for it (before any replay)
+    step: int = 0
     replayed: int = 0
+    bare: int = 0  # injected demonstrations that are the bare answer (no solution, or it did not fit or verify)
 
     @property
     def changed(self) -> bool:
@@ -379,27 +425,42 @@ class TrainGroups:
         )
 
 
-def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args) -> TrainGroups:
-    """The groups to train on. rows/prompts: one per group; completions/correct: per completion; golds: per group.
-    --gt-injection: an all-wrong group's last completion becomes the row's verified demonstration.
-    --replay: a group whose rewards are all equal (all correct, or all wrong and not injected) is replaced by
-    the buffer's newest group. The inputs are not modified (they stay the policy's own samples)."""
+def inject_and_replay(
+    data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args, step: int = 0, keep=None
+) -> TrainGroups:
+    """The groups to train on. rows/prompts/golds: one per group; completions/correct: per completion; keep: the
+    groups trained on, in order (default all; dapo/cispo's kept groups). --gt-injection: an all-wrong group's last
+    completion becomes the row's verified demonstration, for at most --gt-injection-max-frac of the kept groups
+    (the first ones). --replay: a group whose rewards are all equal (all correct, or all wrong and not injected) is
+    replaced by the buffer's newest group of at most --replay-max-age steps. The inputs are not modified (they stay
+    the policy's own samples)."""
     g, est = args.group_size, data.tracker.pass_rate()
+    keep = range(len(rows)) if keep is None else keep
+    rows_kept = [rows[k] for k in keep]
     out = TrainGroups(
-        list(prompts),
-        list(completions),
-        list(correct),
+        [prompts[k] for k in keep],
+        [completions[k * g + j] for k in keep for j in range(g)],
+        [correct[k * g + j] for k in keep for j in range(g)],
         {},
-        [True] * len(rows),
-        [False] * len(rows),
-        [float(est[r]) for r in rows],
+        [True] * len(keep),
+        [False] * len(keep),
+        [float(est[r]) for r in rows_kept],
+        rows_kept,
+        step,
     )
-    for k, row in enumerate(rows):
+    max_injected = math.floor(args.gt_injection_max_frac * len(keep) + 1e-9) if args.gt_injection else 0
+    for k, (row, i) in enumerate(zip(rows_kept, keep)):
         group = out.correct[k * g : (k + 1) * g]
-        if args.gt_injection and max(group) == 0 and (demo := _demo(data, row, golds[k], tokenizer, args)) is not None:
+        if (
+            args.gt_injection
+            and max(group) == 0
+            and sum(out.injected) < max_injected
+            and (demo := _demo(data, row, golds[i], tokenizer, args)) is not None
+        ):
             out.completions[(k + 1) * g - 1], out.correct[(k + 1) * g - 1] = demo, 1.0
             out.injected[k] = True
-        elif args.replay and min(group) == max(group) and (old := data.buffer.pop()) is not None:
+            out.bare += demo.text != data.solutions.get(row)
+        elif args.replay and min(group) == max(group) and (old := data.buffer.pop(step, args.replay_max_age)):
             out.prompts[k], out.fresh[k] = old["prompt"], False
             stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])
             for j, (ids, text, trunc, c, lp) in enumerate(stored):
@@ -410,16 +471,35 @@ def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct,
     return out
 
 
+def train_groups(
+    data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args, accelerator, step, keep=None
+) -> TrainGroups:
+    """The data strategies before the batch is built: `inject_and_replay` (golds: one per training row, all of
+    them), which reads the estimates before this step; then the tracker counts the step's own samples of every rank
+    (rows: this rank's, one per group; correct: per completion) with the forgetting rule."""
+    train = inject_and_replay(
+        data, rows, prompts, completions, correct, [golds[r] for r in rows], tokenizer, args, step, keep
+    )
+    everyone = [accelerator.gather(torch.tensor(x, device=accelerator.device)).tolist() for x in (rows, correct)]
+    data.tracker.update(*everyone, args.group_size, args.tracker_half_life)
+    return train
+
+
 def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict, args) -> None:
     """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
-    the policy that generated them), and this step's high-value groups enter the buffer with theirs: a hard prompt
-    solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected group; only
-    groups with signal (0 < #correct < G). The batch's rows must be train's completions, in order."""
+    the policy that generated them), raised where needed so that a row with A < 0 starts the step with ratio at
+    most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A unbounded below for A < 0, and a stale token
+    can have a huge ratio). This step's high-value groups enter the buffer with their log-probs and step: a hard
+    prompt solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected group;
+    only groups with signal (0 < #correct < G). The batch's rows must be train's completions, in order."""
     if not args.replay or "old_logps" not in batch:
         return
     old, g = batch["old_logps"], args.group_size
     for r, lp in train.stored_logps.items():
-        old[r, : len(lp)] = torch.tensor(lp, dtype=old.dtype, device=old.device)
+        stored = torch.tensor(lp, dtype=old.dtype, device=old.device)
+        if batch["advantages"][r] < 0:  # pi / pi_old <= cap: log pi_old >= log pi - log cap, pi the policy now
+            stored = torch.maximum(stored, old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP))
+        old[r, : len(lp)] = stored
     for k, prompt in enumerate(train.prompts):
         c = train.correct[k * g : (k + 1) * g]
         hard, easy = train.pass_rate[k] < REPLAY_HARD, train.pass_rate[k] > REPLAY_EASY
@@ -434,23 +514,46 @@ def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict, args) ->
                     "truncated": [bool(x.truncated) for x in comps],
                     "correct": [float(x) for x in c],
                     "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
+                    "step": train.step,
                 }
             )
 
 
 def data_metrics(train: TrainGroups, data: DataStrategies, accelerator) -> dict[str, float]:
-    """data/* metrics, summed (counts) or averaged (pass rate) over ranks."""
+    """data/* metrics, summed (counts) or averaged (pass rate) over ranks; the tracker's quantiles and the share of
+    all groups so far taken by the most sampled prompt / 10 prompts (after the step's update; identical on every
+    rank), and the distinct training rows among all ranks' sampled groups."""
     t = torch.tensor(
-        [sum(train.pass_rate), len(train.pass_rate), sum(train.injected), train.replayed, len(data.buffer.groups)],
+        [
+            sum(train.pass_rate),
+            len(train.pass_rate),
+            sum(train.injected),
+            train.bare,
+            train.replayed,
+            len(data.buffer.groups),
+        ],
         dtype=torch.float64,
         device=accelerator.device,
     )
     s = accelerator.reduce(t, "sum").tolist()
+    rows = accelerator.gather(
+        accelerator.pad_across_processes(torch.tensor(train.rows, dtype=torch.int64, device=t.device), pad_index=-1)
+    )
+    rows = rows[rows >= 0]
+    q10, q50, q90 = np.quantile(data.tracker.pass_rate(), [0.1, 0.5, 0.9]).tolist()
+    top = np.sort(data.tracker.groups)[::-1] / max(data.tracker.groups.sum(), 1.0)
     return {
         "data/prompt_pass_rate_mean": s[0] / max(s[1], 1.0),
         "data/gt_injected": s[2],
-        "data/replayed": s[3],
-        "data/replay_buffer_size": s[4],
+        "data/gt_injected_bare": s[3],
+        "data/replayed": s[4],
+        "data/replay_buffer_size": s[5],
+        "data/distinct_prompts_frac": len(set(rows.tolist())) / max(len(rows), 1),
+        "data/top_prompt_share": float(top[0]),
+        "data/top10_prompt_share": float(top[:10].sum()),
+        "data/pass_rate_q10": q10,
+        "data/pass_rate_q50": q50,
+        "data/pass_rate_q90": q90,
     }
 
 

@@ -8,11 +8,15 @@ TensorBoard text). No algorithm reads them: they only describe what the policy i
 - within-group diversity: distinct word n-grams / total n-grams over a group's completions (1 = all different).
 - reflection words ("wait", "however", "let me check", ...): how often completions use them, and accuracy with
   and without them (the "aha moment" question: does reflecting go with being right?); also each pattern on its
-  own (frequency and accuracy), and the response length with and without any of them.
+  own (frequency and accuracy), and the response length with and without any of them. "but" is not one: it
+  joins clauses in plain reasoning far more often than it marks a second look.
 - accuracy of completions longer than the step's mean length against the others (does thinking longer pay?).
 - language mixing: a completion holding both a CJK character and a Latin word of two or more letters (LaTeX
   commands such as \\frac are not words).
 - evaluation: avg@k, unbiased pass@k (Chen et al. 2021) and maj@k (cons@k: majority vote over final answers).
+- `health_metrics`: all of the above over all ranks: each rank reduces its texts to per-completion numbers
+  (`text_features`), which are gathered with correctness and lengths, so 2 processes log what 1 process holding
+  every completion would (`completion_stats`).
 - `rollout_metrics` / `log_samples`: the step's reward, accuracy and length metrics over all ranks, and a few
   prompt/completion/reward samples, as every script logs them.
 """
@@ -26,13 +30,13 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from common.reward import answer_format_for, extract_final_answer, score
 
 REFLECTION_WORDS = (
     "wait",
     "however",
-    "but",
     "let me check",
     "let me verify",
     "re-evaluate",
@@ -85,34 +89,80 @@ def _mean(xs: Sequence[float]) -> float:
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
+FEATURES = ("repetition_rate", "group_distinct_2gram", "reflection", "language_mix") + tuple(_PATTERNS)
+
+
+def text_features(texts: Sequence[str], group_size: int) -> np.ndarray:
+    """[len(texts), len(FEATURES)] numbers per completion (groups of `group_size` contiguous): 4-gram repetition,
+    its group's distinct 2-gram fraction, any reflection word (0/1), language mixing (0/1), each pattern (0/1)."""
+    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
+    distinct = [distinct_ngrams(g, 2) for g in groups for _ in g]
+    rows = [
+        [
+            repetition_rate(t),
+            d,
+            has_reflection(t),
+            language_mix(t),
+            *(p.search(t) is not None for p in _PATTERNS.values()),
+        ]
+        for t, d in zip(texts, distinct)
+    ]
+    return np.asarray(rows, dtype=np.float64).reshape(len(texts), len(FEATURES))
+
+
+def stats_from_features(
+    features: np.ndarray, correct: Sequence[float], lengths: Sequence[float] | None = None
+) -> dict[str, float]:
+    """completion_stats from `text_features` rows (of one rank or gathered over all). The group distinct fraction
+    is repeated on each of a group's completions, so its mean over completions is the mean over groups."""
+    f = {k: features[:, j] for j, k in enumerate(FEATURES)}
+    correct, n = np.asarray(correct, dtype=np.float64), len(features)
+    refl = f["reflection"] > 0
+    out = {
+        "repetition_rate": float(np.mean(f["repetition_rate"])) if n else 0.0,
+        "group_distinct_2gram": float(np.mean(f["group_distinct_2gram"])) if n else 1.0,
+        "reflection_frac": float(np.mean(refl)) if n else 0.0,
+        "accuracy_with_reflection": _mean(correct[refl]),
+        "accuracy_without_reflection": _mean(correct[~refl]),
+        "language_mix_frac": float(np.mean(f["language_mix"])) if n else 0.0,
+    }
+    for w in _PATTERNS:
+        hit = f[w] > 0
+        out[f"reflection/{pattern_key(w)}_frac"] = float(np.mean(hit)) if n else 0.0
+        out[f"reflection/{pattern_key(w)}_accuracy"] = _mean(correct[hit])
+    if lengths is not None:
+        lengths = np.asarray(lengths, dtype=np.float64)
+        long = lengths > (float(np.mean(lengths)) if n else 0.0)
+        out["response_length_with_reflection"] = _mean(lengths[refl])
+        out["response_length_without_reflection"] = _mean(lengths[~refl])
+        out["accuracy_long"] = _mean(correct[long])
+        out["accuracy_short"] = _mean(correct[~long])
+    return out
+
+
 def completion_stats(
     texts: Sequence[str], correct: Sequence[float], group_size: int, lengths: Sequence[float] | None = None
 ) -> dict[str, float]:
     """Per-step text statistics of a rollout whose groups of `group_size` are contiguous; with `lengths` (tokens
     per completion) also lengths with/without reflection and the accuracy of long (> the mean) and short ones."""
-    refl = [has_reflection(t) for t in texts]
-    with_r = [c for c, r in zip(correct, refl) if r]
-    without = [c for c, r in zip(correct, refl) if not r]
-    groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
-    extra = {"language_mix_frac": float(np.mean([language_mix(t) for t in texts])) if texts else 0.0}
-    for w, pat in _PATTERNS.items():
-        hit = [pat.search(t) is not None for t in texts]
-        extra[f"reflection/{pattern_key(w)}_frac"] = float(np.mean(hit)) if texts else 0.0
-        extra[f"reflection/{pattern_key(w)}_accuracy"] = _mean([c for c, h in zip(correct, hit) if h])
-    if lengths is not None:
-        mean_len = float(np.mean(lengths)) if len(lengths) else 0.0
-        extra["response_length_with_reflection"] = _mean([n for n, r in zip(lengths, refl) if r])
-        extra["response_length_without_reflection"] = _mean([n for n, r in zip(lengths, refl) if not r])
-        extra["accuracy_long"] = _mean([c for c, n in zip(correct, lengths) if n > mean_len])
-        extra["accuracy_short"] = _mean([c for c, n in zip(correct, lengths) if n <= mean_len])
-    return {
-        "repetition_rate": float(np.mean([repetition_rate(t) for t in texts])) if texts else 0.0,
-        "group_distinct_2gram": float(np.mean([distinct_ngrams(g, 2) for g in groups])) if groups else 1.0,
-        "reflection_frac": float(np.mean(refl)) if texts else 0.0,
-        "accuracy_with_reflection": float(np.mean(with_r)) if with_r else float("nan"),
-        "accuracy_without_reflection": float(np.mean(without)) if without else float("nan"),
-        **extra,
-    }
+    return stats_from_features(text_features(texts, group_size), correct, lengths)
+
+
+def health_metrics(texts: Sequence[str], correct, lengths, group_size: int, accelerator) -> dict[str, float]:
+    """train/ completion statistics of all ranks' completions: this rank's `text_features`, correctness and
+    lengths ([n] tensors) are gathered (float64, padded with NaN where ranks hold different counts), so the result
+    is `completion_stats` of every rank's completions, groups kept whole."""
+    x = torch.cat(
+        [
+            torch.as_tensor(text_features(texts, group_size), device=correct.device),
+            correct.double().reshape(-1, 1),
+            lengths.double().reshape(-1, 1),
+        ],
+        dim=1,
+    )
+    x = accelerator.gather(accelerator.pad_across_processes(x, pad_index=float("nan")))
+    x = x[~x[:, 0].isnan()].cpu().numpy()
+    return {f"train/{k}": v for k, v in stats_from_features(x[:, :-2], x[:, -2], x[:, -1]).items()}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

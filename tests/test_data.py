@@ -1,6 +1,6 @@
 """Data strategies (common/data.py, README "Data strategies"): the per-prompt tracker against a brute-force count
 (also on 2 processes), the prompt draws against their definitions, ground-truth injection and replay, resume with
-a full replay buffer, a learning test for injection, and tools/profile_data.py on the toy data."""
+a replay buffer holding groups, a learning test for injection, and tools/profile_data.py on the toy data."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ import torch
 
 import grpo
 from common.data import (
+    REPLAY_RATIO_CAP,
     DataStrategies,
     PromptTracker,
     ReplayBuffer,
+    draw_probabilities,
     draw_prompts,
     finish_batch,
     init_data,
@@ -44,31 +46,39 @@ def trainer_state(run_dir: str, step: int) -> dict:
 # 1. Tracker -----------------------------------------------------------------------------------------------
 
 
-def test_tracker_matches_a_brute_force_count():
+@pytest.mark.parametrize("half_life", [0.0, 3.0])
+def test_tracker_matches_a_brute_force_count(half_life):
+    """Each completion counted once, weighted 0.5 ** (steps since its step / half-life) (0: weight 1)."""
     rng = np.random.default_rng(0)
     num, g, tracker, seen = 7, 3, PromptTracker(7), {}
-    for _ in range(5):  # rollouts with repeated prompts, as i.i.d. draws give
+    for t in range(5):  # rollouts with repeated prompts
         rows = rng.integers(0, num, size=4).tolist()
         correct = rng.integers(0, 2, size=4 * g).astype(float).tolist()
-        lengths = rng.integers(1, 50, size=4 * g).tolist()
-        tracker.update(rows, correct, lengths, g)
+        tracker.update(rows, correct, g, half_life)
         for k, r in enumerate(rows):
             for j in range(g):
-                seen.setdefault(r, []).append((correct[k * g + j], lengths[k * g + j]))
+                seen.setdefault(r, []).append((t, correct[k * g + j]))
     for r in range(num):
-        obs = seen.get(r, [])
-        n, c = len(obs), sum(x for x, _ in obs)
-        mean = sum(n_ for _, n_ in obs) / n if n else 0.0
-        var = sum((n_ - mean) ** 2 for _, n_ in obs) / n if n else 0.0
-        assert (tracker.samples[r], tracker.correct[r]) == (n, c)
+        w = [0.5 ** ((4 - t) / half_life) if half_life else 1.0 for t, _ in seen.get(r, [])]
+        n, c = sum(w), sum(wi * x for wi, (_, x) in zip(w, seen.get(r, [])))
+        assert tracker.samples[r] == pytest.approx(n, abs=1e-12) and tracker.correct[r] == pytest.approx(c, abs=1e-12)
         assert tracker.pass_rate()[r] == pytest.approx((c + 1) / (n + 2), abs=1e-12)  # Beta(1, 1) posterior mean
-        assert tracker.length_mean()[r] == pytest.approx(mean, abs=1e-9)
-        assert tracker.length_var()[r] == pytest.approx(var, abs=1e-6)  # float64 sums of squares < 1e5: exact to ~1e-11
+        assert tracker.groups[r] == len(seen.get(r, [])) / g  # groups drawn, never forgotten
     restored = PromptTracker(num)
     restored.load_state_dict(json.loads(json.dumps(tracker.state_dict())))  # through JSON, as trainer.json keeps it
-    assert np.array_equal(restored.pass_rate(), tracker.pass_rate()) and np.array_equal(
-        restored.length_var(), tracker.length_var()
-    )
+    assert np.array_equal(restored.pass_rate(), tracker.pass_rate())
+
+
+def test_a_forgetting_tracker_follows_a_policy_that_learned_a_prompt():
+    """A prompt failed 10 times then solved 5 times: without forgetting its estimate stays near 0.3 (the collapse
+    of a never-forgetting tracker: a solved prompt still looks medium); with a half-life of 2 steps it is > 0.75."""
+    estimates = {}
+    for half_life in (0.0, 2.0):
+        t = PromptTracker(1)
+        for correct in [0.0] * 10 + [1.0] * 5:
+            t.update([0], [correct] * 8, 8, half_life)
+        estimates[half_life] = t.pass_rate()[0]
+    assert estimates[0.0] == pytest.approx(41 / 122) and estimates[2.0] > 0.75
 
 
 @pytest.mark.slow
@@ -96,15 +106,15 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(tmp_path, "d2__*"))
     metrics = read_metrics(run_dir)
     assert [m["train/reward_timeouts"] for m in metrics] == [3.0, 3.0]  # rank 0's 1 + rank 1's 2
-    tracker, prev_c, prev_l = PromptTracker(512), 0.0, 0.0
+    tracker, prev_c, decay = PromptTracker(512), 0.0, 0.5 ** (1 / grpo.Args().tracker_half_life)
     for step in (0, 1):
-        rows = draw_prompts(tracker, "medium", 1, step, p, step / 2)  # both ranks' prompts: rank r takes [2r, 2r + 2)
-        expected = tracker.samples + np.bincount(rows, minlength=512) * g
+        probs = draw_probabilities(tracker.pass_rate(), "medium", step / 2, grpo.Args().uniform_floor)
+        rows = draw_prompts(probs, 1, step, p)  # both ranks' prompts: rank r takes [2r, 2r + 2)
+        expected = tracker.samples * decay + np.bincount(rows, minlength=512) * g
         tracker.load_state_dict(trainer_state(run_dir, step + 1)["data"]["tracker"])
-        assert np.array_equal(tracker.samples, expected), step
-        assert tracker.correct.sum() - prev_c == pytest.approx(metrics[step]["train/accuracy"] * g * p)
-        assert tracker.len_sum.sum() - prev_l == pytest.approx(metrics[step]["train/response_length_mean"] * g * p)
-        prev_c, prev_l = tracker.correct.sum(), tracker.len_sum.sum()
+        assert np.allclose(tracker.samples, expected, rtol=0, atol=1e-12), step
+        assert tracker.correct.sum() - prev_c * decay == pytest.approx(metrics[step]["train/accuracy"] * g * p)
+        prev_c = tracker.correct.sum()
 
 
 # 2. Prompt sampling ---------------------------------------------------------------------------------------
@@ -131,30 +141,54 @@ def test_uniform_is_todays_shuffled_order():
 
 
 @pytest.mark.parametrize(
-    "mode,progress", [("medium", 0.0), ("curriculum", 0.0), ("curriculum", 0.5), ("curriculum", 1.0)]
+    "mode,progress,floor",
+    [
+        ("medium", 0.0, 0.25),
+        ("medium", 0.0, 0.0),
+        ("curriculum", 0.0, 0.25),
+        ("curriculum", 0.5, 0.1),
+        ("curriculum", 1.0, 0.25),
+    ],
 )
-def test_draw_frequencies_match_the_definitions(mode, progress):
-    """i.i.d. draws with P(i) = w_i / sum w: medium w = exp(-(p - 0.5)^2 / (2 0.1^2)); curriculum w = exp(-(p - tau)^2 /
-    (2 0.2^2)), tau = 1 - progress. 200k draws: each frequency within 5 binomial standard deviations."""
-    counts = [
-        (0, 8),
-        (1, 8),
-        (3, 8),
-        (4, 8),
-        (6, 8),
-        (8, 8),
-        (0, 0),
-    ]  # estimates 0.1, 0.2, 0.4, 0.5, 0.7, 0.9 and unseen 0.5
+def test_draw_probabilities_match_the_definitions(mode, progress, floor):
+    """P(i) = (1 - f) w_i / sum w + f / N; medium w = exp(-(p - 0.5)^2 / (2 0.1^2)); curriculum w = exp(-(p - tau)^2 /
+    (2 0.2^2)), tau = 1 - (1 - 0.2) progress (ending at the 0.2 target floor, not at 0)."""
+    counts = [(0, 8), (1, 8), (3, 8), (4, 8), (6, 8), (8, 8), (0, 0)]  # estimates 0.1, 0.2, 0.4, 0.5, 0.7, 0.9, 0.5
     tracker = tracker_with(counts)
     est = [(c + 1) / (n + 2) for c, n in counts]
-    mean, std = (0.5, 0.1) if mode == "medium" else (1.0 - progress, 0.2)
+    mean, std = (0.5, 0.1) if mode == "medium" else (1.0 - 0.8 * progress, 0.2)
     w = [math.exp(-((p - mean) ** 2) / (2 * std**2)) for p in est]
-    expected = [x / sum(w) for x in w]
-    n = 200_000
-    freq = Counter(draw_prompts(tracker, mode, 7, 3, n, progress))
-    for i, q in enumerate(expected):
-        assert abs(freq[i] / n - q) <= 5 * math.sqrt(q * (1 - q) / n) + 1e-12, (i, freq[i] / n, q)
-    assert np.allclose(sampling_weights(tracker.pass_rate(), mode, progress), w, rtol=1e-12)
+    expected = [(1 - floor) * x / sum(w) + floor / len(w) for x in w]
+    got = draw_probabilities(tracker.pass_rate(), mode, progress, floor, 0.2)
+    assert np.allclose(got, expected, rtol=1e-12, atol=0) and got.min() >= floor / len(w)
+    assert np.allclose(sampling_weights(tracker.pass_rate(), mode, progress, 0.2), w, rtol=1e-12)
+
+
+def test_draws_are_without_replacement_and_follow_successive_sampling():
+    """The step's prompts are distinct; over 40k steps the ordered pair (first, second) has the successive-sampling
+    probability p_i p_j / (1 - p_i) (brute force over all pairs), each within 5 binomial standard deviations; a
+    step larger than the data set takes whole passes."""
+    p = np.array([0.5, 0.25, 0.15, 0.1])
+    n, freq = 40_000, Counter()
+    for step in range(n):
+        drawn = draw_prompts(p, 3, step, 2)
+        freq[tuple(drawn)] += 1
+    for i in range(4):
+        for j in range(4):
+            q = p[i] * p[j] / (1 - p[i]) if i != j else 0.0
+            assert abs(freq[(i, j)] / n - q) <= 5 * math.sqrt(q * (1 - q) / n) + 1e-12, (i, j, freq[(i, j)] / n, q)
+    drawn = draw_prompts(p, 3, 0, 10)
+    assert sorted(drawn[:4]) == sorted(drawn[4:8]) == [0, 1, 2, 3] and len(set(drawn[8:])) == 2
+
+
+def test_medium_sampling_no_longer_collapses_onto_a_few_prompts():
+    """A tracker where 10 of 100 prompts look medium and the rest look solved: 16-prompt steps draw 16 distinct
+    prompts, and the floor gives every prompt a chance ((1 - f) w_i / sum w + f / N >= f / N)."""
+    tracker = tracker_with([(4, 8)] * 10 + [(8, 8)] * 90)
+    p = draw_probabilities(tracker.pass_rate(), "medium", 0.0, 0.25)
+    drawn = [draw_prompts(p, 1, step, 16) for step in range(200)]
+    assert all(len(set(d)) == 16 for d in drawn) and p.min() >= 0.25 / 100
+    assert len({i for d in drawn for i in d}) > 80  # the solved-looking prompts are revisited too
 
 
 def test_every_rank_draws_the_same_list_and_takes_its_slice():
@@ -165,7 +199,8 @@ def test_every_rank_draws_the_same_list_and_takes_its_slice():
         grpo.step_indices(4, 30, args, 0, 2, tracker=tracker) + grpo.step_indices(4, 30, args, 1, 2, tracker=tracker)
         == whole
     )
-    assert whole == draw_prompts(tracker, "medium", args.seed, 4, 8, 0.4)
+    probs = draw_probabilities(tracker.pass_rate(), "medium", 0.4, args.uniform_floor, args.curriculum_min_target)
+    assert whole == draw_prompts(probs, args.seed, 4, 8) and len(set(whole)) == 8
     assert whole != grpo.step_indices(5, 30, args, 0, 1, tracker=tracker)  # a fresh draw each step
 
 
@@ -191,7 +226,12 @@ def comp(text: str) -> Completion:
 
 def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verified_demonstration():
     args = SimpleNamespace(
-        group_size=3, gt_injection=True, replay=False, prompt_template="qwen-boxed", max_new_tokens=64
+        group_size=3,
+        gt_injection=True,
+        gt_injection_max_frac=1.0,
+        replay=False,
+        prompt_template="qwen-boxed",
+        max_new_tokens=64,
     )
     data = strategies(3, solutions={2: "Adding, 1+2 = 3, so \\boxed{3}."})
     completions = [comp(t) for t in ("5", "6", "7", "4", "x", "y", "1", "2", "9")]
@@ -199,7 +239,7 @@ def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verif
     train = inject_and_replay(
         data, [0, 1, 2], [[1], [2], [3]], completions, correct, ["8", "4", "3"], WordTokenizer(), args
     )
-    assert train.injected == [True, False, True] and train.changed
+    assert train.injected == [True, False, True] and train.changed and train.bare == 1  # row 0: no solution
     assert (
         train.completions[2].text == "The answer is \\boxed{8}." and train.completions[2].token_ids[-1] == 0
     )  # EOS ends it
@@ -225,11 +265,34 @@ def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verif
 
 
 def test_solutions_are_matched_to_the_kept_training_rows_by_their_prompt_tokens():
-    args = SimpleNamespace(difficulty_file=None, prompt_template="none", replay_buffer_size=4)
+    args = SimpleNamespace(
+        difficulty_file=None,
+        prompt_template="none",
+        replay_buffer_size=4,
+        prompt_sampling="uniform",
+        gt_injection=True,
+        solution_column="solution",
+    )
     questions, solutions = ["1+1=", "too long question", "2+2="], ["s0", "s1", "s2"]
     train_prompts = [[ord(c) for c in "2+2="], [ord(c) for c in "1+1="]]  # what encode_prompts kept, in its order
-    data = init_data(args, questions, solutions, train_prompts, WordTokenizer(), lambda q, template, tok: q)
-    assert data.solutions == {0: "s2", 1: "s0"} and data.tracker.samples.shape == (2,)
+    lines = []
+    data = init_data(
+        args, questions, solutions, train_prompts, WordTokenizer(), lines.append, lambda q, template, tok: q
+    )
+    assert data.solutions == {0: "s2", 1: "s0"} and data.tracker.samples.shape == (2,) and not lines
+
+
+@pytest.mark.parametrize(
+    "kw,says", [({"gt_injection": True}, "bare reference answer"), ({"prompt_sampling": "curriculum"}, "0.5")]
+)
+def test_a_setting_that_quietly_does_less_says_so_once(kw, says):
+    """--gt-injection without --solution-column (bare answers) and curriculum without a profile (every estimate 0.5
+    at the start) each print one line."""
+    base = dict(difficulty_file=None, prompt_template="none", replay_buffer_size=4, prompt_sampling="uniform")
+    args = SimpleNamespace(**{**base, "gt_injection": False, "solution_column": None, **kw})
+    lines = []
+    init_data(args, ["1+1="], [], [[49]], WordTokenizer(), lines.append, lambda q, template, tok: q)
+    assert len(lines) == 1 and says in lines[0] and "\n" not in lines[0]
 
 
 def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_probs_give_the_ratio():
@@ -238,6 +301,7 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
         group_size=g,
         gt_injection=False,
         replay=True,
+        replay_max_age=10,
         prompt_template="none",
         max_new_tokens=8,
         clip_eps_low=0.2,
@@ -271,17 +335,21 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
         [p for p in train.prompts for _ in range(g)], [c.token_ids for c in train.completions], 0
     )
     current = -torch.rand(mask.shape, dtype=torch.float64)  # the policy's log-probs now
-    batch = {"old_logps": current.clone(), "mask": mask}
-    finish_batch(data, train, batch, args)
-    for r in (2, 4):  # both replayed groups carried these log-probs
-        assert batch["old_logps"][r, :2].tolist() == [-0.5, -1.5] and batch["old_logps"][r + 1, 0].item() == -2.0
-    assert torch.equal(batch["old_logps"][[0, 1, 6, 7]], current[[0, 1, 6, 7]])  # fresh rows keep the policy's own
+    current[3, 0] = current[5, 0] = -0.5  # the stored -2.0 would give these A < 0 tokens a ratio e^1.5 = 4.5 > 3
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    batch = {"old_logps": current.clone(), "mask": mask, "advantages": adv}
+    finish_batch(data, train, batch, args)
+    for r in (2, 4):  # both replayed groups carried these log-probs; A > 0 rows take them as they are
+        assert batch["old_logps"][r, :2].tolist() == [-0.5, -1.5]
+        assert batch["old_logps"][r + 1, 0].item() == pytest.approx(-0.5 - math.log(REPLAY_RATIO_CAP))  # dual-clip cap
+    assert torch.equal(batch["old_logps"][[0, 1, 6, 7]], current[[0, 1, 6, 7]])  # fresh rows keep the policy's own
     loss, _ = grpo.compute_policy_loss(current, batch["old_logps"], adv, mask.double(), args)
     ref = 0.0
-    for i in range(8):  # brute force: ratio of each token against the policy that generated it
+    for i in range(8):  # brute force: ratio of each token against the policy that generated it, A < 0 capped at 3
         n = int(mask[i].sum())
         olds = {2: [-0.5, -1.5], 3: [-2.0], 4: [-0.5, -1.5], 5: [-2.0]}.get(i, current[i, :n].tolist())
+        if adv[i] < 0:
+            olds = [max(o, current[i, t].item() - math.log(3.0)) for t, o in enumerate(olds)]
         terms = []
         for t in range(n):
             r = math.exp(current[i, t].item() - olds[t])
@@ -293,6 +361,40 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
     # replayed ones never go back
     assert [grp["prompt"] for grp in data.buffer.groups] == [[1], [4]]
     assert data.buffer.groups[0]["logps"][0] == current[0, :2].tolist()
+
+
+def test_injection_cap_leaves_the_other_all_wrong_groups_to_replay():
+    """--gt-injection-max-frac 0.5 of 4 groups: the first 2 all-wrong groups get a demonstration, the third (and the
+    all-correct one) is replayed: how injection and replay share the groups without signal."""
+    args = SimpleNamespace(
+        group_size=2,
+        gt_injection=True,
+        gt_injection_max_frac=0.5,
+        replay=True,
+        replay_max_age=10,
+        prompt_template="qwen-boxed",
+        max_new_tokens=64,
+    )
+    data = strategies(4, size=4)
+    old = {"prompt": [9], "token_ids": [[5], [6]], "texts": ["a", "b"], "truncated": [False] * 2, "step": 0}
+    for _ in range(3):
+        data.buffer.push({**old, "correct": [1.0, 0.0], "logps": [[-1.0], [-1.0]]})
+    completions = [comp(t) for t in ("1", "2", "3", "4", "5", "6", "7", "8")]
+    correct = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    train = inject_and_replay(
+        data, [0, 1, 2, 3], [[1], [2], [3], [4]], completions, correct, ["8"] * 4, WordTokenizer(), args, step=3
+    )
+    assert train.injected == [True, True, False, False] and train.fresh == [True, True, False, False]
+    assert train.replayed == 2 and train.bare == 2
+
+
+def test_replay_drops_groups_older_than_the_max_age():
+    b = ReplayBuffer(4)
+    for step in (1, 5, 8):
+        b.push({"step": step})
+    assert b.pop(12, 5)["step"] == 8 and b.pop(12, 5) is None  # steps 1 and 5 are 11 and 7 steps old: dropped
+    b.push({"k": 0})  # a group from a checkpoint written before groups recorded their step: new
+    assert b.pop(100, 1) == {"k": 0}
 
 
 def test_buffer_keeps_the_newest_size_groups():
@@ -309,7 +411,8 @@ def test_buffer_keeps_the_newest_size_groups():
 def test_resume_with_a_full_replay_buffer_equals_an_uninterrupted_run(toy_assets, tmp_path):
     """16 prompts, 8 per step: prompts come back every 2 steps, so hard ones get solved (into the buffer) and groups
     without signal get replayed (curriculum draws, 8 steps). The run is cut back to its step-6 checkpoint (as a kill
-    after that save leaves it) and resumed: steps 6-7 and the final tracker and buffers are the uninterrupted run's."""
+    after that save leaves it, the buffer not empty) and resumed: steps 6-7 and the final tracker and buffers are the
+    uninterrupted run's."""
     rows = [json.loads(line) for line in open(toy_assets["train"])][:16]
     train = tmp_path / "train16.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -324,7 +427,7 @@ def test_resume_with_a_full_replay_buffer_equals_an_uninterrupted_run(toy_assets
     cut_dir = str(tmp_path / "cut")
     shutil.copytree(full_dir, cut_dir)
     shutil.rmtree(os.path.join(cut_dir, "checkpoints", "step_8"))
-    assert len(trainer_state(cut_dir, 6)["data"]["buffers"][0]["groups"]) == 2  # the buffer is full at the checkpoint
+    assert trainer_state(cut_dir, 6)["data"]["buffers"][0]["groups"]  # the buffer holds groups at the checkpoint
     run_script("grpo", flags + ["--resume", cut_dir])
     a, b = read_metrics(full_dir), read_metrics(cut_dir)
     assert [r["step"] for r in b] == list(range(8)) and sum(r["data/replayed"] for r in a[6:]) > 0
@@ -338,6 +441,29 @@ def test_resume_with_a_full_replay_buffer_equals_an_uninterrupted_run(toy_assets
         ):
             assert x[k] == pytest.approx(y[k], abs=1e-6), (x["step"], k)
     assert trainer_state(full_dir, 8)["data"] == trainer_state(cut_dir, 8)["data"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dapo", "cispo"])
+def test_kept_groups_alone_reach_the_replay_buffer(script, toy_assets, tmp_path):
+    """--no-dynamic-sampling with 16 prompts generated per round and 8 trained: only the 8 kept groups are
+    injected, trained and buffered, each with the log-probs of its own completions (before, the 8 others entered the
+    buffer with empty log-probs, and a replayed group could pair a prompt with another prompt's completions)."""
+    flags = toy_flags(
+        toy_assets,
+        str(tmp_path),
+        3,
+        **{"max-new-tokens": 16, "gen-prompts-per-round": 16, "num-mini-batches": 1, "warmup-steps": 0},
+    ) + ["--no-dynamic-sampling", "--gt-injection", "--replay"]
+    run_script(script, flags)
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "*__*"))
+    metrics = read_metrics(run_dir)
+    assert all(m["train/train_groups"] == 8 and m["data/gt_injected"] <= 8 for m in metrics)
+    groups = trainer_state(run_dir, 3)["data"]["buffers"][0]["groups"]
+    assert groups and all(sum(g["step"] == s for g in groups) <= 8 for s in range(3))
+    for grp in groups:
+        assert [len(lp) for lp in grp["logps"]] == [len(ids) for ids in grp["token_ids"]]
+        assert all(math.isfinite(x) and x <= 0 for lp in grp["logps"] for x in lp)
 
 
 def strict_run(assets, out, steps, *switches: str) -> list[dict]:
@@ -445,11 +571,27 @@ def test_profile_data_on_the_toy_data_and_difficulty_file(toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(tmp_path, "run", "*__*"))
     state = trainer_state(run_dir, 1)["data"]["tracker"]
     step0 = grpo.step_indices(0, 512, grpo.Args(prompts_per_step=1), 0, 1)[0]
+    decay = 0.5 ** (1 / grpo.Args().tracker_half_life)  # the prior is forgotten like any count, here over 1 step
     for r in rows:
         extra = 8 if r["index"] == step0 else 0
-        assert state["samples"][r["index"]] == 4 + extra
+        assert state["samples"][r["index"]] == pytest.approx(4 * decay + extra)
         if not extra:
-            assert state["correct"][r["index"]] == pytest.approx(r["pass_rate"] * 4)
+            assert state["correct"][r["index"]] == pytest.approx(r["pass_rate"] * 4 * decay)
+
+
+def test_profile_scores_in_the_runs_answer_format():
+    """ "so the sum is 4" is right for a run that reads any final answer (template none) and wrong for a qwen-boxed
+    run, which scores only \\boxed{}: the profile's pass rates are the run's."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_data import Args, profile_rows
+
+    from common.reward import answer_format_for
+
+    outs = [comp("so the sum is 4"), comp("so \\boxed{4}")]
+    for template, rate in (("none", 1.0), ("qwen-boxed", 0.5)):
+        fmt = answer_format_for(template, Args(prompt_template=template).reward_format)
+        (row,) = profile_rows([0], outs, ["4"], 2, fmt, lambda ids: "q", [[1]])
+        assert row["pass_rate"] == rate and row["samples"] == 2 and row["index"] == 0, template
 
 
 def test_the_analysis_of_answers_without_reasoning():
@@ -473,6 +615,11 @@ def test_the_analysis_of_answers_without_reasoning():
         ("grpo", {"gt_injection": True, "solution_column": "nope"}, "--solution-column"),
         ("dapo", {"gt_injection": True}, "--no-dynamic-sampling"),
         ("cispo", {"replay": True}, "--no-dynamic-sampling"),
+        ("grpo", {"replay": True, "replay_max_age": 0}, "--replay-max-age"),
+        ("grpo", {"uniform_floor": 1.5}, "--uniform-floor"),
+        ("grpo", {"curriculum_min_target": -0.1}, "--curriculum-min-target"),
+        ("grpo", {"gt_injection_max_frac": 2.0}, "--gt-injection-max-frac"),
+        ("grpo", {"tracker_half_life": -1.0}, "--tracker-half-life"),
     ],
 )
 def test_bad_data_strategy_flags_stop_with_one_line_naming_the_flag(script, kw, flag, toy_assets, tmp_path):

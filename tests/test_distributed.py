@@ -182,3 +182,26 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
         mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_health_metrics_cover_every_rank(procs, tmp_path):
+    """The train/ text statistics on 2 processes (rank 0: 2 groups, rank 1: 1 group) equal those of 1 process
+    holding all 3 groups, and completion_stats of all the texts: rank 1 alone holds the reflection words, the
+    language mixing and the long completions, so rank 0's own texts would give other values."""
+    from common.metrics import completion_stats
+    from tests.health_worker import CORRECT, GROUP, LENGTHS, TEXTS
+
+    worker, out = os.path.join(ROOT, "tests", "health_worker.py"), str(tmp_path / "m.json")
+    cmd = [sys.executable, worker] if procs == 1 else launch_cmd(worker, procs)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd + [out], check=True, cwd=ROOT, env=env, timeout=300)
+    with open(out) as f:
+        got = json.load(f)
+    expected = {f"train/{k}": v for k, v in completion_stats(TEXTS, CORRECT, GROUP, LENGTHS).items()}
+    assert got.pop("world") == procs and set(got) == set(expected)
+    for k, v in expected.items():
+        assert got[k] == pytest.approx(v, abs=1e-12, nan_ok=True), k
+    rank0 = completion_stats(TEXTS[:4], CORRECT[:4], GROUP, LENGTHS[:4])  # what a per-rank statistic would log
+    assert rank0["reflection_frac"] == 0 and expected["train/reflection_frac"] > 0
+    assert rank0["accuracy_long"] != pytest.approx(expected["train/accuracy_long"])

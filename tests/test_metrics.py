@@ -95,9 +95,9 @@ def test_health_metrics_language_mix_patterns_and_length_splits():
     assert s["reflection/wait_frac"] == pytest.approx(2 / 6) and s["reflection/wait_accuracy"] == pytest.approx(0.5)
     assert s["reflection/let_me_check_frac"] == pytest.approx(1 / 6) and s["reflection/let_me_check_accuracy"] == 1.0
     assert s["reflection/alternatively_frac"] == pytest.approx(1 / 6) and s["reflection/alternatively_accuracy"] == 0.0
-    assert s["reflection/but_frac"] == pytest.approx(1 / 6) and s["reflection/but_accuracy"] == 0.0
+    assert "reflection/but_frac" not in s and not has_reflection("but but 7")  # "but" joins clauses: no reflection
     assert math.isnan(s["reflection/mistake_accuracy"]) and s["reflection/mistake_frac"] == 0.0
-    assert s["response_length_with_reflection"] == pytest.approx((12 + 9 + 3) / 3)
-    assert s["response_length_without_reflection"] == pytest.approx((7 + 5 + 1) / 3)
+    assert s["response_length_with_reflection"] == pytest.approx((12 + 9) / 2)
+    assert s["response_length_without_reflection"] == pytest.approx((7 + 5 + 1 + 3) / 4)
     assert s["accuracy_long"] == pytest.approx(1 / 3) and s["accuracy_short"] == pytest.approx(2 / 3)
     assert "accuracy_long" not in completion_stats(texts, correct, 3)  # without lengths: no length splits

@@ -2,7 +2,8 @@
 
 Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts, so the same filtering and
 prompt template), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and verifier
-(common.reward.score). Writes one JSON line per prompt:
+(common.reward.score, in the run's answer format: --reward-format auto picks it from --prompt-template as the
+scripts do, so a profile for a qwen-boxed run counts only \\boxed{} answers). Writes one JSON line per prompt:
 
     {"index": i, "prompt": <the templated prompt, decoded>, "answer": ..., "samples": K, "pass_rate": ...,
      "length_mean": ..., "length_std": ..., "truncated_frac": ..., "no_reasoning_frac": ...}
@@ -13,6 +14,10 @@ answer (common.reward.extract_final_answer) and, once that answer is removed, fe
 histogram of pass rates next to the output (<output>.png). Any script reads the output with --difficulty-file.
 
     python tools/profile_data.py --model-name-or-path Qwen/Qwen2.5-Math-1.5B --samples 8 --limit 500 --output math.jsonl
+
+Pass the flags of the run the profile is for (--prompt-template, --reward-format, --max-new-tokens): a completion
+cut short by a smaller budget, or scored in another format, gives another pass rate. On the toy task (README
+"Data strategies") it takes seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class Args:
     """column holding the reference answer"""
     prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
     """the training scripts' prompt templates (use the one you will train with: --difficulty-file matches on it)"""
+    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
+    """where the verifier reads the final answer, as in the scripts; auto: from --prompt-template (none: any,
+    qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)"""
     max_prompt_tokens: int = 1024
     """prompts longer than this are dropped, as in training"""
     max_bad_answer_frac: float = 0.1
@@ -57,12 +65,12 @@ class Args:
     """auto: vLLM when CUDA and vllm are available, else Hugging Face generate"""
     samples: int = 8
     """K, completions per prompt"""
-    limit: int = 0
-    """profile at most this many prompts (0: all)"""
+    limit: int = 256
+    """profile at most this many prompts, the first of the dataset (0: all); only they get a prior in the run"""
     batch_prompts: int = 64
     """prompts per generate call"""
     max_new_tokens: int = 1024
-    """generation budget per completion"""
+    """generation budget per completion (the scripts' default; use the run's, e.g. 2 on the toy task)"""
     temperature: float = 1.0
     """sampling temperature"""
     top_p: float = 1.0
@@ -73,14 +81,39 @@ class Args:
     """where the per-prompt JSON lines go (the histogram goes to the same name with .png)"""
 
 
-def answers_without_reasoning(text: str) -> bool:
+def answers_without_reasoning(text: str, answer_format: str = "any") -> bool:
     """A final answer with fewer than NO_REASONING_WORDS words (letters only, LaTeX commands excluded) besides it."""
     from common.reward import extract_final_answer
 
-    answer = extract_final_answer(text)
+    answer = extract_final_answer(text, answer_format)
     if answer is None:
         return False
     return len(_WORDS.findall(text.replace(answer, " "))) < NO_REASONING_WORDS
+
+
+def profile_rows(indices, outs, golds, k: int, answer_format: str, decode, prompts) -> list[dict]:
+    """One row per prompt of a generate call: `outs` holds k completions per index, `golds` one answer per index."""
+    from common.reward import score
+
+    correct, _ = score([o.text for o in outs], [g for g in golds for _ in range(k)], answer_format=answer_format)
+    rows = []
+    for j, i in enumerate(indices):
+        group, c = outs[j * k : (j + 1) * k], correct[j * k : (j + 1) * k]
+        lengths = [len(o.token_ids) for o in group]
+        rows.append(
+            {
+                "index": i,
+                "prompt": decode(prompts[i]),
+                "answer": golds[j],
+                "samples": k,
+                "pass_rate": float(np.mean(c)),
+                "length_mean": float(np.mean(lengths)),
+                "length_std": float(np.std(lengths)),
+                "truncated_frac": float(np.mean([o.truncated for o in group])),
+                "no_reasoning_frac": float(np.mean([answers_without_reasoning(o.text, answer_format) for o in group])),
+            }
+        )
+    return rows
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -104,7 +137,7 @@ def main(args: Args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.data import encode_prompts, load_rows
-    from common.reward import score
+    from common.reward import answer_format_for
     from common.sampling import make_sampler
 
     if args.samples < 1 or args.limit < 0 or args.batch_prompts < 1:
@@ -135,28 +168,12 @@ def main(args: Args) -> None:
         seed=args.seed,
         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
     )
-    k, rows = args.samples, []
+    k, rows, fmt = args.samples, [], answer_format_for(args.prompt_template, args.reward_format)
     for start in range(0, n, args.batch_prompts):
         batch = list(range(start, min(n, start + args.batch_prompts)))
         outs = sampler.generate([prompts[i] for i in batch], k, args.temperature, args.top_p, args.max_new_tokens)
-        correct, _ = score([o.text for o in outs], [golds[i] for i in batch for _ in range(k)])
-        for j, i in enumerate(batch):
-            group, c = outs[j * k : (j + 1) * k], correct[j * k : (j + 1) * k]
-            lengths = [len(o.token_ids) for o in group]
-            rows.append(
-                {
-                    "index": i,
-                    "prompt": tokenizer.decode(prompts[i]),
-                    "answer": golds[i],
-                    "samples": k,
-                    "pass_rate": float(np.mean(c)),
-                    "length_mean": float(np.mean(lengths)),
-                    "length_std": float(np.std(lengths)),
-                    "truncated_frac": float(np.mean([o.truncated for o in group])),
-                    "no_reasoning_frac": float(np.mean([answers_without_reasoning(o.text) for o in group])),
-                }
-            )
-        print(f"profiled {len(rows)}/{n} prompts", flush=True)
+        rows += profile_rows(batch, outs, [golds[i] for i in batch], k, fmt, tokenizer.decode, prompts)
+        print(f"profiled {len(rows)}/{n} prompts ({fmt} answers)", flush=True)
     with open(args.output, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     table = summary_table(rows)
