@@ -17,12 +17,11 @@ mu = 1 have no advantage and are left out (W eq. 4):
 
 With w = 1 the first term is GRPO with token-mean aggregation. For fixed L_mu > 0 the optimal weight is 1/L_mu.
 
-Well-posedness: this is our choice, because the write-up does not say how it is handled. On policy (r = 1),
-L_mu = -1/L sum_{i in mu} |o_i| A_i: the positive samples' length-weighted advantages minus the negative ones'
-(W eq. 3). Its sign follows the length gap between right and wrong answers, and with equal lengths it is exactly
-0. For L_mu <= 0, min_w (w L_mu - ln w) has no minimum (w -> inf). So w is learnt from a positive stand-in on the
-same scale, the bucket's advantage mass, which adds the two parts instead of subtracting them. It sets how hard
-the bucket pulls on the policy:
+Well-posedness (our choice: the write-up does not say how it is handled). On policy (r = 1), L_mu = -1/L sum_{i in
+mu} |o_i| A_i: the positive samples' length-weighted advantages minus the negative ones' (W eq. 3). Its sign follows
+the length gap between right and wrong answers; with equal lengths it is exactly 0. For L_mu <= 0, min_w (w L_mu -
+ln w) has no minimum (w -> inf). So w is learnt from a positive stand-in on the same scale, the bucket's advantage
+mass, which adds the two parts instead of subtracting them and sets how hard the bucket pulls on the policy:
 
     M_mu = 1/L sum_{i: mu_i = mu} |o_i| |A_i|      (= 1/L sum over mu's tokens of |per-token loss| at r = 1)
 

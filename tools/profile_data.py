@@ -136,7 +136,7 @@ def main(args: Args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import encode_prompts, load_rows
+    from common.data import STOP_STRINGS, encode_prompts, load_rows
     from common.reward import answer_format_for
     from common.sampling import make_sampler
 
@@ -167,6 +167,7 @@ def main(args: Args) -> None:
         model_name_or_path=args.model_name_or_path,
         seed=args.seed,
         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        stop=STOP_STRINGS.get(args.prompt_template, []),
     )
     k, rows, fmt = args.samples, [], answer_format_for(args.prompt_template, args.reward_format)
     for start in range(0, n, args.batch_prompts):
