@@ -157,7 +157,8 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
         "log-samples-every": 1,
         "reward-format": "any",  # 12 tokens rarely reach a box; any keeps some groups with signal
     }
-    extra = {"grpo": {"beta": 0.04}, "dapo": {"max-gen-batches": 1}, "cispo": {"max-gen-batches": 1}}
+    one_round = {"max-gen-batches": 1, "num-mini-batches": 1}  # 4 completions a step: one refill, one update
+    extra = {"grpo": {"beta": 0.04}, "dapo": one_round, "cispo": one_round, "dr_grpo": {"num-mini-batches": 1}}
     flags.update(extra.get(script, {}))
     args = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
     proc = subprocess.run(
