@@ -1,6 +1,6 @@
 """Tokens per second of the project's vLLM sampler against a standalone vLLM engine on the same model and requests
-(CPU, vLLM's CPU build), and of the sampler with vLLM's packed GEMMs turned off (F.linear on the live weights,
-this project's CPU route before it repacked after each push).
+(CPU, vLLM's CPU build), of the sampler with vLLM's packed GEMMs turned off (F.linear on the live weights,
+this project's CPU route before it repacked after each push), and of HF generate (`--sampler hf`).
 
     python tools/smollm2.py /tmp/smol && python benchmarks/bench_vllm_cpu.py /tmp/smol/model --rounds 3
 
@@ -54,6 +54,16 @@ def worker(side: str, model: str, a) -> dict:
             if step:
                 times.append(time.perf_counter() - t)
                 tokens.append(sum(len(c.token_ids) for o in out for c in o.outputs))
+    elif side == "hf":  # HF generate on the live policy (what --sampler auto picks on a CPU)
+        from common.sampling import HFSampler
+
+        s = HFSampler(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), tok, seed=0)
+        for step in range(a.steps + 1):
+            t = time.perf_counter()
+            out = s.generate(prompts, a.n, 1.0, 1.0, a.new_tokens)
+            if step:
+                times.append(time.perf_counter() - t)
+                tokens.append(sum(len(c.token_ids) for c in out))
     else:
         from common import sampling
 
@@ -92,7 +102,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--sides", default="standalone,ours,ours-unpacked")
+    p.add_argument("--sides", default="standalone,ours,ours-unpacked,hf")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:

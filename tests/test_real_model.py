@@ -18,6 +18,7 @@ import glob
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -172,3 +173,24 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
         sample = json.loads(f.readline())
     assert "<|im_start|>assistant" in sample["prompt"]  # the real chat template, not a bare question
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
+
+
+def test_the_readmes_cpu_command_runs_as_written(smol, tmp_path):
+    """README's main CPU job, word for word, with /tmp/smol pointed at the test's copy and a smaller budget appended
+    (later flags win): a renamed flag or a wrong path in the README fails here."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    start = text.index("    python tools/smollm2.py /tmp/smol && python grpo.py")
+    block = text[start : text.index("\n\n", start)].replace("\\\n", " ")
+    convert, train = (shlex.split(part) for part in block.split("&&"))
+    assert convert == ["python", "tools/smollm2.py", "/tmp/smol"]
+    out = os.path.dirname(smol["model"])
+    args = [a.replace("/tmp/smol", out) for a in train[2:]]
+    small = ["--total-steps", "1", "--eval-every", "1", "--eval-limit", "2", "--group-size", "2", "--prompts-per-step"]
+    small += ["1", "--max-new-tokens", "8", "--eval-max-new-tokens", "8", "--output-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, train[1], *args, *small], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "grpo__1__*"))
+    assert "eval/test/avg@2" in read_metrics(run_dir)[-1]
