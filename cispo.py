@@ -162,7 +162,7 @@ class Args:
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
 
-    # Data strategies (README "Data strategies", SPEC §11): all off by default
+    # Data strategies (README "Data strategies"): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
     """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
     around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""

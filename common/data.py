@@ -1,5 +1,5 @@
-"""Data shared by every script: loading and prompt order, and the data strategies (SPEC §11; seeds/000
-进阶策略探索, seeds/002 Gaussian difficulty).
+"""Data shared by every script: loading and prompt order, and the data strategies (docs/design.md "Data
+strategies").
 
 - loading (identical for every algorithm): the templates (`SYSTEM_BOXED`, `R1_TEMPLATE`, `DAPO_TEMPLATE`) and
   `format_prompt`, `load_rows` (a hub dataset or a local .jsonl/.json/.parquet file), `encode_prompts`
@@ -47,7 +47,7 @@ import torch
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion
 
-MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
+MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: a Gaussian over pass rates around 0.5
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
 REPLAY_HARD, REPLAY_EASY = 0.2, 0.8  # a group is high-value when its prompt's estimate is below / above these
 REPLAY_RATIO_CAP = 3.0  # dual-clip's c (Ye et al. 2020; verl's clip_ratio_c): the bound on replayed rows with A < 0

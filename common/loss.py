@@ -2,7 +2,7 @@
 token-level aggregation with global normalisers.
 
 Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use. Also here: the
-rollout correction's weight (SPEC §12), which each script's compute_policy_loss multiplies into its policy term,
+rollout correction's weight (docs/design.md), which each script's compute_policy_loss multiplies into its policy term,
 and the batching of a rollout into padded tensors and token-budget micro-batches.
 
 Log-probs. `TokenLogProbs` wraps a Hugging Face causal LM. Its forward runs the decoder to the final hidden
@@ -232,7 +232,7 @@ def masked_aggregate(
 
 
 def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
-    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
+    """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
     term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
     log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
     w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still

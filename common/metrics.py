@@ -1,4 +1,4 @@
-"""What a run shows beyond reward: completion statistics and evaluation scores (SPEC §7, seeds/000 误区三).
+"""What a run shows beyond reward: completion statistics and evaluation scores.
 
 Completion statistics and evaluation, shared by every script's logging: pure functions of texts and 0/1
 correctness, plus `evaluate` (samples with the run's sampler) and `log_samples` (writes samples.jsonl and

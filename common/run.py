@@ -1,5 +1,5 @@
 """Run mechanics shared by every script: the checks of the flags they all have, the run directory, its checkpoints
-and tracking (SPEC §2, §8), and GRPO's frozen reference model (`load_reference`, for its KL term).
+and tracking (docs/design.md "Reliability"), and GRPO's frozen reference model (`load_reference`, for its KL term).
 
 The checks (`check_shared_args`, `check_world`, `max_model_len`) run before anything is written, and each script
 keeps its own algorithm's checks next to the calls. Every refusal is one line (SystemExit) naming the flag.

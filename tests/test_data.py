@@ -472,7 +472,7 @@ def strict_run(assets, out, steps, *switches: str) -> list[dict]:
         str(out),
         steps,
         **{
-            "reward-format": "boxed",  # the strict verifier: no \\boxed{...}, no reward (issue 12's test task)
+            "reward-format": "boxed",  # the strict verifier: no \\boxed{...}, no reward
             "max-new-tokens": 12,
             "learning-rate": 5e-3,
             "beta": 0,

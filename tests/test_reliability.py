@@ -1,4 +1,4 @@
-"""SPEC §8 reliability guarantees, on grpo.py (the scaffolding every script shares) and common/reward.py:
+"""docs/design.md's reliability guarantees, on grpo.py (the scaffolding every script shares) and common/reward.py:
 
 - stop/resume: a hard kill (SIGKILL) after a periodic save, or a SIGTERM, then --resume, gives the same
   metrics as an uninterrupted run, one row per step; half-written checkpoints are ignored;

@@ -1,4 +1,4 @@
-"""Profile a dataset under a model (seeds/000 "统计丰富性"): per-prompt pass rate and response lengths.
+"""Profile a dataset under a model (what --difficulty-file reads): per-prompt pass rate and response lengths.
 
 Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts, so the same filtering and
 prompt template), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and verifier
