@@ -158,7 +158,8 @@ def main(args: Args) -> None:
         args.answer_column,
         "--dataset-name",
     )
-    prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+    encoding = args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac
+    prompts, golds = encode_prompts(questions, answers, tokenizer, *encoding, "--dataset-name")
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
     sampler = make_sampler(
         args.sampler,
