@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +47,6 @@ import tyro
 from common.data import (
     STOP_STRINGS,
     data_metrics,
-    data_state,
     encode_prompts,
     finish_batch,
     init_data,
@@ -77,6 +75,7 @@ from common.run import (
     max_model_len,
     new_run_dir,
     run_info,
+    save_checkpoint,
     start_tracking,
     trim_logs,
 )
@@ -151,7 +150,7 @@ class Args:
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
 
-    # Data strategies (README "Data strategies", SPEC §11): all off by default
+    # Data strategies (README "Data strategies"): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
     """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
     around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""
@@ -286,7 +285,9 @@ def compute_policy_loss(
     ratio = torch.exp(logps - logps.detach() + seq_log_ratio.detach()[:, None])
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high) * adv)
-    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)  # 1.0 when off
+    rc_weight, stats = rollout_correction(  # 1.0 when off
+        old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
+    )
     per_token = -surrogate * rc_weight
     loss = masked_aggregate(per_token, mask, "seq-mean-token-mean", num_seqs=num_seqs)
     with torch.no_grad():
@@ -308,28 +309,30 @@ def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
     """Per-token log-probs [N, C] of the whole rollout under `policy`, micro-batch by micro-batch, without gradient
     (zeros past each micro-batch's width)."""
     logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    for rows, p_w, c_w in micro_batches(list(range(len(batch["lens"]))), batch["lens"], args):
+    all_rows = list(range(len(batch["lens"])))
+    for rows, p_w, c_w in micro_batches(all_rows, batch["lens"], args.micro_batch_size, args.micro_batch_tokens):
         idx = torch.tensor(rows, device=logps.device)
         mb = cut(batch, idx, p_w, c_w)
         logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, args.temperature)[0].to(logps.dtype)
     return logps
 
 
-def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int):
-    """PPO-style updates on one rollout: `ppo_epochs` passes, each split into `num_mini_batches` optimizer
-    steps, each accumulated over micro-batches whose losses share the mini-batch's global normalisers (so the
-    accumulated gradient equals the whole mini-batch's, on any number of ranks). Returns the summed stats
-    (means over the rollout), the mean gradient norm and how many updates were skipped as non-finite.
+def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int, num_mini_batches=None):
+    """PPO-style updates on one rollout: `ppo_epochs` passes, each split into `num_mini_batches` optimizer steps
+    (default --num-mini-batches), each accumulated over micro-batches whose losses share the mini-batch's global
+    normalisers (so the accumulated gradient equals the whole mini-batch's, on any number of ranks). Returns the
+    summed stats (means over the rollout), the mean gradient norm and how many updates were skipped as non-finite.
     Nothing in the micro-batch loop reads a tensor on the host."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     sums: dict[str, torch.Tensor] = {}
     grad_norms, skipped, canary, canary_tokens = [], 0, [], []
-    mb_size = n // args.num_mini_batches
+    num_mini_batches = num_mini_batches or args.num_mini_batches
+    mb_size = n // num_mini_batches
     for epoch in range(args.ppo_epochs):
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + epoch))
-        for mb in range(args.num_mini_batches):
-            # host-side lengths
-            plan = micro_batches(perm[mb * mb_size : (mb + 1) * mb_size].tolist(), batch["lens"], args)
+        for mb in range(num_mini_batches):
+            rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
+            plan = micro_batches(rows, batch["lens"], args.micro_batch_size, args.micro_batch_tokens)  # host-side
             # index copies, before the loop
             chunks = [(torch.tensor(rows, device=device), p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([batch["mask"][c] for c, _, _ in chunks])
@@ -352,7 +355,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                 stats["loss"] = loss.detach()
                 for k, v in stats.items():  # means over the rollout; *_min / *_max: extremes over it
                     extreme = {"_min": torch.minimum, "_max": torch.maximum}.get(k[-4:])
-                    v = v.detach() / (args.num_mini_batches * args.ppo_epochs) if extreme is None else v.detach()
+                    v = v.detach() / (num_mini_batches * args.ppo_epochs) if extreme is None else v.detach()
                     sums[k] = sums.get(k, 0.0) + v if extreme is None else extreme(sums.get(k, v), v)
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # DeepSpeed: its float
             grad_norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=device)
@@ -373,7 +376,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: validation before anything is written
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, gather_object
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
     from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -392,7 +395,7 @@ def main(args: Args) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
     )
     rank, world = accelerator.process_index, accelerator.num_processes
-    check_world(args, world)
+    check_world(args.prompts_per_step, args.group_size, args.num_mini_batches, world)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
@@ -401,23 +404,54 @@ def main(args: Args) -> None:
             f"--model-name-or-path: cannot load {args.model_name_or_path!r}: "
             f"{type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
-    model_len = max_model_len(args, model, sampler_kind)  # what vLLM would refuse is refused here, before any write
+    eval_new_tokens = args.eval_max_new_tokens if args.eval_every > 0 else 0  # what vLLM would refuse is refused here
+    model_len = max_model_len(args.max_prompt_tokens, max(args.max_new_tokens, eval_new_tokens), model, sampler_kind)
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_prompts, train_golds = [], []
+    encoding = args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac  # common.data.encode_prompts
     if args.total_steps > 0:  # an evaluation-only run (--total-steps 0) reads no training data
         dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
-        train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
-        solutions = load_solutions(args)  # DATA: --solution-column, then the tracker and replay buffer
-        data = init_data(args, questions, solutions, train_prompts, tokenizer, accelerator.print)
+        train_prompts, train_golds = encode_prompts(questions, answers, tokenizer, *encoding, "--dataset-name")
+        solutions = load_solutions(dataset, args.prompt_column, args.solution_column)  # DATA: --gt-injection's
+        data = init_data(  # DATA: the strategies' settings and state (tracker, replay buffer, demonstrations)
+            questions,
+            solutions,
+            train_prompts,
+            tokenizer,
+            accelerator.print,
+            difficulty_file=args.difficulty_file,
+            replay_buffer_size=args.replay_buffer_size,
+            group_size=args.group_size,
+            prompt_template=args.prompt_template,
+            answer_format=args.reward_format,
+            max_new_tokens=args.max_new_tokens,
+            total_steps=args.total_steps,
+            prompt_sampling=args.prompt_sampling,
+            uniform_floor=args.uniform_floor,
+            curriculum_min_target=args.curriculum_min_target,
+            tracker_half_life=args.tracker_half_life,
+            gt_injection=args.gt_injection,
+            gt_injection_max_frac=args.gt_injection_max_frac,
+            replay=args.replay,
+            replay_max_age=args.replay_max_age,
+        )
     eval_sets = {}
     if args.eval_every > 0:
         for name in args.eval_datasets:
             qs, ans = load_rows(name, None, "test", args.eval_prompt_column, args.eval_answer_column, "--eval-datasets")
             n = args.eval_limit or len(qs)
-            eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets")
-    run_dir = new_run_dir(args, broadcast_object_list)
+            eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, *encoding, "--eval-datasets")
+    # common.metrics.evaluate: k samples per question, temperature, top-p, budget, answer format
+    eval_settings = (
+        args.eval_samples,
+        args.eval_temperature,
+        args.eval_top_p,
+        args.eval_max_new_tokens,
+        args.reward_format,
+    )
+    run_dir = new_run_dir(args.output_dir, args.exp_name, args.seed, args.resume, broadcast_object_list)
 
     # TRY NOT TO MODIFY: seeding, run directory, logging
     random.seed(args.seed)
@@ -429,7 +463,7 @@ def main(args: Args) -> None:
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump({**asdict(args), "run": run_info(accelerator.device, world)}, f, indent=2)  # flags, versions
         if args.track:  # Weights & Biases syncs the TensorBoard events written below
-            start_tracking(args, run_dir)
+            start_tracking(args.wandb_project_name, args.wandb_entity, args.exp_name, run_dir)
         writer = SummaryWriter(run_dir)
         writer.add_text(
             "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
@@ -478,30 +512,6 @@ def main(args: Args) -> None:
             trim_logs(run_dir, start_step)
         accelerator.print(f"resumed from {last} at step {start_step}")
 
-    def save_checkpoint(step: int) -> None:
-        """checkpoints/step_<k>/{model (Hugging Face format), state (accelerate), trainer.json}, written to a
-        temporary directory and renamed, so a kill mid-save never leaves a half checkpoint behind."""
-        final = os.path.join(run_dir, "checkpoints", f"step_{step}")
-        tmp = final + ".tmp"
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that a kill cut short
-        accelerator.wait_for_everyone()
-        accelerator.save_state(os.path.join(tmp, "state"))
-        samplers = gather_object([sampler.state_dict()])
-        buffers = gather_object([data.buffer.state_dict()])
-        weights = accelerator.get_state_dict(policy)  # full weights on rank 0, gathered under FSDP / ZeRO-3
-        if accelerator.is_main_process:
-            lm_weights = {k.removeprefix("lm."): v for k, v in weights.items()}
-            accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
-            tokenizer.save_pretrained(os.path.join(tmp, "model"))
-            with open(os.path.join(tmp, "trainer.json"), "w") as f:
-                json.dump({"step": step, "sampler": samplers, "data": data_state(data, buffers)}, f)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in complete_checkpoints(run_dir)[: -args.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
-
     def log(metrics: dict[str, float], step: int) -> None:
         if writer is not None:
             for k, v in metrics.items():
@@ -513,7 +523,7 @@ def main(args: Args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
     if args.total_steps == 0:  # evaluation only, e.g. of a saved checkpoint's model/ directory
-        log(evaluate(sampler, eval_sets, tokenizer, args), 0)
+        log(evaluate(sampler, eval_sets, *eval_settings), 0)
         accelerator.print(f"done: {run_dir}")
         return
 
@@ -521,7 +531,9 @@ def main(args: Args) -> None:
     for step in range(start_step, args.total_steps):
         t0 = time.time()
         # ROLLOUT: G completions per prompt, this rank's share of the step's prompts
-        rows = step_indices(step, len(train_prompts), args, rank, world, tracker=data.tracker)
+        rows = step_indices(  # DATA: --prompt-sampling's draw from the tracker's estimates (uniform: shuffled epochs)
+            step, len(train_prompts), args.prompts_per_step // world, args.seed, rank, world, data.draw(step)
+        )
         prompts = [train_prompts[i] for i in rows]
         golds = [train_golds[i] for i in rows for _ in range(args.group_size)]
         completions = sampler.generate(prompts, args.group_size, args.temperature, args.top_p, args.max_new_tokens)
@@ -539,18 +551,15 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection and --replay change the groups trained on (then their advantages); correct, lengths,
-        # rewards and texts stay the policy's own samples, which the tracker and the metrics describe
-        train = train_groups(
-            data, rows, prompts, completions, correct.tolist(), train_golds, tokenizer, args, accelerator, step
-        )
+        # DATA: what is trained on, `train`: these groups, or with --gt-injection / --replay some replaced (then their
+        # advantages too); correct, lengths, rewards and texts stay the policy's own samples, which the metrics describe
+        train = train_groups(data, rows, prompts, completions, correct.tolist(), train_golds, accelerator, step)
         if train.changed:
             advantages = compute_advantages(compute_rewards(*train.tensors(device), args), args)
-        completions = train.completions  # what is trained on, for the prompts train.prompts
 
         # TRY NOT TO MODIFY: batch tensors; old and reference log-probs
         ids, attn, mask, p_len = pad_batch(
-            [p for p in train.prompts for _ in range(args.group_size)], [c.token_ids for c in completions], pad_id
+            [p for p in train.prompts for _ in range(args.group_size)], [c.token_ids for c in train.completions], pad_id
         )
         batch = {
             "ids": ids.to(device),
@@ -560,13 +569,13 @@ def main(args: Args) -> None:
             "advantages": advantages,
             "lens": list(zip(attn[:, :p_len].sum(1).tolist(), mask.sum(1).tolist())),
         }  # (prompt, completion) lengths, host-side
-        if any(c.logprobs is not None for c in completions):  # sampler log-probs: canary, rollout correction
-            batch["sampler_logps"] = pad_logprobs([c.logprobs for c in completions], mask.shape[1]).to(device)
+        if any(c.logprobs is not None for c in train.completions):  # sampler log-probs: canary, rollout correction
+            batch["sampler_logps"] = pad_logprobs([c.logprobs for c in train.completions], mask.shape[1]).to(device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
         with torch.no_grad():
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
                 batch["old_logps"] = compute_logps(policy, batch, args)
-            finish_batch(data, train, batch, args)  # DATA: replayed rows' stored log-probs; store high-value groups
+            finish_batch(data, train, batch)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args)
         t_old = time.time() - t0 - t_gen - t_reward
@@ -613,7 +622,7 @@ def main(args: Args) -> None:
         }
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.total_steps):
             t_eval = time.time()
-            metrics.update(evaluate(sampler, eval_sets, tokenizer, args))
+            metrics.update(evaluate(sampler, eval_sets, *eval_settings))
             metrics["time/eval"] = time.time() - t_eval
         log(metrics, step)
         if writer is not None and args.log_samples_every > 0 and step % args.log_samples_every == 0:
@@ -626,14 +635,14 @@ def main(args: Args) -> None:
         )
         stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0
         if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
-            save_checkpoint(step + 1)
+            save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, step + 1, args.keep_checkpoints)
         if stopping:
             if writer is not None:
                 writer.close()
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
             return
 
-    save_checkpoint(args.total_steps)
+    save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, args.total_steps, args.keep_checkpoints)
     if writer is not None:
         writer.close()
     accelerator.print(f"done: {run_dir}")

@@ -1,5 +1,5 @@
-"""Data shared by every script: loading and prompt order, and the data strategies (SPEC §11; seeds/000
-进阶策略探索, seeds/002 Gaussian difficulty).
+"""Data shared by every script: loading and prompt order, and the data strategies (docs/design.md "Data
+strategies").
 
 - loading (identical for every algorithm): the templates (`SYSTEM_BOXED`, `R1_TEMPLATE`, `DAPO_TEMPLATE`) and
   `format_prompt`, `load_rows` (a hub dataset or a local .jsonl/.json/.parquet file), `encode_prompts`
@@ -47,7 +47,7 @@ import torch
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion
 
-MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: seeds/002's Gaussian over pass rates
+MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: a Gaussian over pass rates around 0.5
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
 REPLAY_HARD, REPLAY_EASY = 0.2, 0.8  # a group is high-value when its prompt's estimate is below / above these
 REPLAY_RATIO_CAP = 3.0  # dual-clip's c (Ye et al. 2020; verl's clip_ratio_c): the bound on replayed rows with A < 0
@@ -127,19 +127,20 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
     return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
 
 
-def encode_prompts(questions, answers, tokenizer, args, flag: str):
-    """Tokenised prompts and their answers; prompts over --max-prompt-tokens and unparseable answers dropped."""
+def encode_prompts(questions, answers, tokenizer, template: str, max_tokens: int, max_bad_frac: float, flag: str):
+    """Tokenised prompts (in --prompt-template `template`) and their answers; prompts over `max_tokens` tokens and
+    unparseable answers dropped (refused when more than `max_bad_frac` of the answers cannot be parsed)."""
     bad = set(find_unparseable_gold(answers))
-    if len(bad) > args.max_bad_answer_frac * len(answers):
+    if len(bad) > max_bad_frac * len(answers):
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
         raise SystemExit(
             f"{flag}: {len(bad)} of {len(answers)} answers cannot be parsed, "
-            f"more than --max-bad-answer-frac {args.max_bad_answer_frac}; e.g. {examples}"
+            f"more than --max-bad-answer-frac {max_bad_frac}; e.g. {examples}"
         )
     prompts, golds, too_long = [], [], 0
     for i, (q, a) in enumerate(zip(questions, answers)):
-        ids = tokenizer(format_prompt(q, args.prompt_template, tokenizer), add_special_tokens=False).input_ids
-        if len(ids) > args.max_prompt_tokens:
+        ids = tokenizer(format_prompt(q, template, tokenizer), add_special_tokens=False).input_ids
+        if len(ids) > max_tokens:
             too_long += 1
         elif i not in bad:
             prompts.append(ids)
@@ -148,11 +149,11 @@ def encode_prompts(questions, answers, tokenizer, args, flag: str):
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
         print(f"{flag}: dropped {len(bad)} rows whose answer cannot be parsed, e.g. {examples}")
     if too_long:
-        print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {args.max_prompt_tokens}")
+        print(f"{flag}: dropped {too_long} prompts longer than --max-prompt-tokens {max_tokens}")
     if not prompts:
         raise SystemExit(
             f"{flag}: no usable rows left (unparseable answers: {len(bad)}, "
-            f"longer than --max-prompt-tokens {args.max_prompt_tokens}: {too_long})"
+            f"longer than --max-prompt-tokens {max_tokens}: {too_long})"
         )
     return prompts, golds
 
@@ -164,29 +165,16 @@ def epoch_order(seed: int, epoch: int, num_rows: int) -> np.ndarray:
 
 
 def step_indices(
-    step: int,
-    num_rows: int,
-    args,
-    rank: int,
-    world: int,
-    count: int | None = None,
-    tracker=None,
-    progress: float | None = None,
+    step: int, num_rows: int, count: int, seed: int, rank: int = 0, world: int = 1, p: np.ndarray | None = None
 ) -> list[int]:
-    """This rank's prompt indices for `step` (`count` prompts; default its share of --prompts-per-step).
-    The order is a function of (seed, step) alone, so a resumed run replays an uninterrupted run's data; with
-    --prompt-sampling curriculum/medium also of the tracker (restored on resume), at `progress` (default: step /
-    --total-steps)."""
-    count = args.prompts_per_step // world if count is None else count
-    if tracker is not None and args.prompt_sampling != "uniform":  # the same draw on every rank, each takes its slice
-        progress = step / max(args.total_steps, 1) if progress is None else progress
-        p = draw_probabilities(
-            tracker.pass_rate(), args.prompt_sampling, progress, args.uniform_floor, args.curriculum_min_target
-        )
-        drawn = draw_prompts(p, args.seed, step, count * world)
+    """This rank's `count` prompt indices for `step`, out of `num_rows`: shuffled epochs, or drawn from the
+    probabilities `p` (`DataStrategies.draw`; None: uniform). The order is a function of (seed, step) alone (and of
+    p, from the tracker restored on resume), so a resumed run replays an uninterrupted run's data."""
+    if p is not None:  # the same draw on every rank, each takes its slice
+        drawn = draw_prompts(p, seed, step, count * world)
         return drawn[rank * count : (rank + 1) * count]
     start = (step * world + rank) * count
-    return [int(epoch_order(args.seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
+    return [int(epoch_order(seed, k // num_rows, num_rows)[k % num_rows]) for k in range(start, start + count)]
 
 
 class PromptTracker:
@@ -305,31 +293,46 @@ def demonstration(gold: str, solution: str | None, template: str) -> list[str]:
     return ([solution] if solution else []) + [DEMO_FORMAT[template].format(a=gold_text(gold))]
 
 
-def load_solutions(args) -> list[str]:
-    """The --solution-column texts, aligned with the dataset's rows (empty without the flag)."""
-    if not args.solution_column:
+def load_solutions(dataset: tuple, prompt_column: str, solution_column: str | None) -> list[str]:
+    """The --solution-column texts, aligned with the rows of `dataset` (name, config, split); empty without it."""
+    if not solution_column:
         return []
     try:
-        return load_rows(
-            args.dataset_name,
-            args.dataset_config,
-            args.dataset_split,
-            args.prompt_column,
-            args.solution_column,
-            "--solution-column",
-        )[1]
+        return load_rows(*dataset, prompt_column, solution_column, "--solution-column")[1]
     except SystemExit as e:
         raise SystemExit(str(e).replace("--answer-column", "--solution-column")) from None
 
 
 @dataclass
 class DataStrategies:
-    """Everything a run keeps for the data strategies: the tracker, this rank's replay buffer and demonstrations."""
+    """Everything a run keeps for the data strategies: the tracker, this rank's replay buffer and demonstrations, and
+    the settings (the flags of the same names; the defaults: every strategy off)."""
 
     tracker: PromptTracker
     buffer: ReplayBuffer
     solutions: dict[int, str]  # training row -> --solution-column text
+    tokenizer: Any = None  # builds the demonstrations
+    group_size: int = 2
+    prompt_template: str = "none"
+    answer_format: str = "any"  # the run's resolved --reward-format
+    max_new_tokens: int = 1024
+    total_steps: int = 1
+    prompt_sampling: str = "uniform"
+    uniform_floor: float = 0.5
+    curriculum_min_target: float = 0.2
+    tracker_half_life: float = 0.0
+    gt_injection: bool = False
+    gt_injection_max_frac: float = 1.0
+    replay: bool = False
+    replay_max_age: int = 10
     demos: dict[int, Completion | None] = field(default_factory=dict)  # verified demonstrations, built lazily
+
+    def draw(self, step: int) -> np.ndarray | None:
+        """--prompt-sampling's draw probabilities for `step` (curriculum: at step / total_steps); None: uniform."""
+        if self.prompt_sampling == "uniform":
+            return None
+        rate, progress = self.tracker.pass_rate(), step / max(self.total_steps, 1)
+        return draw_probabilities(rate, self.prompt_sampling, progress, self.uniform_floor, self.curriculum_min_target)
 
 
 def check_args(args) -> None:
@@ -351,23 +354,37 @@ def check_args(args) -> None:
 
 
 def init_data(
-    args, questions, solutions, train_prompts, tokenizer, log=print, format_prompt=format_prompt
+    questions,
+    solutions,
+    train_prompts,
+    tokenizer,
+    log=print,
+    format_prompt=format_prompt,
+    *,
+    difficulty_file: str | None,
+    replay_buffer_size: int,
+    **settings,
 ) -> DataStrategies:
-    """The run's tracker (with --difficulty-file's prior), an empty replay buffer and the solution texts. `log`
-    (the main process's print) gets one line for each setting that quietly does less than it seems to."""
-    tracker = PromptTracker(len(train_prompts))
-    if args.difficulty_file:
-        if not tracker.load_prior(args.difficulty_file, [tokenizer.decode(p) for p in train_prompts]):
+    """The run's tracker (with --difficulty-file's prior), an empty replay buffer of `replay_buffer_size` groups and
+    the solution texts (one per question, or none), with the `settings` (DataStrategies' fields). `log` (the main
+    process's print) gets one line for each setting that quietly does less than it seems to."""
+    data = DataStrategies(PromptTracker(len(train_prompts)), ReplayBuffer(max(replay_buffer_size, 1)), {}, tokenizer)
+    for k, v in settings.items():
+        if not hasattr(data, k):
+            raise TypeError(f"init_data: no data-strategy setting {k!r}")
+        setattr(data, k, v)
+    if difficulty_file:
+        if not data.tracker.load_prior(difficulty_file, [tokenizer.decode(p) for p in train_prompts]):
             raise SystemExit(
-                f"--difficulty-file: none of {args.difficulty_file!r}'s prompts is in --dataset-name "
+                f"--difficulty-file: none of {difficulty_file!r}'s prompts is in --dataset-name "
                 "(same --prompt-template?)"
             )
-    elif args.prompt_sampling == "curriculum":
+    elif data.prompt_sampling == "curriculum":
         log(
             "note: --prompt-sampling curriculum without --difficulty-file: every prompt starts at an estimated pass "
             "rate of 0.5, so the first steps order nothing (tools/profile_data.py writes a profile)"
         )
-    if args.gt_injection and not args.solution_column:
+    if data.gt_injection and not solutions:
         log(
             "note: --gt-injection without --solution-column: demonstrations are the bare reference answer "
             "(no reasoning; counted in data/gt_injected_bare)"
@@ -375,21 +392,21 @@ def init_data(
     by_ids = {}
     if solutions:  # training rows are what encode_prompts kept: match them by their prompt tokens
         for q, s in zip(questions, solutions):
-            text = format_prompt(q, args.prompt_template, tokenizer)
+            text = format_prompt(q, data.prompt_template, tokenizer)
             by_ids[tuple(tokenizer(text, add_special_tokens=False).input_ids)] = s
-    sols = {i: by_ids[tuple(p)] for i, p in enumerate(train_prompts) if tuple(p) in by_ids}
-    return DataStrategies(tracker, ReplayBuffer(max(args.replay_buffer_size, 1)), sols)
+    data.solutions = {i: by_ids[tuple(p)] for i, p in enumerate(train_prompts) if tuple(p) in by_ids}
+    return data
 
 
-def _demo(data: DataStrategies, row: int, gold: str, tokenizer, args) -> Completion | None:
+def _demo(data: DataStrategies, row: int, gold: str) -> Completion | None:
     """The row's demonstration: the first candidate that fits in --max-new-tokens (EOS included) and that the
     verifier scores correct in the run's answer format; None if none does (then the group is left as it is)."""
     if row not in data.demos:
         data.demos[row] = None
-        answer_format = answer_format_for(args.prompt_template, getattr(args, "reward_format", "auto"))
-        for text in demonstration(gold, data.solutions.get(row), args.prompt_template):
+        answer_format, tokenizer = answer_format_for(data.prompt_template, data.answer_format), data.tokenizer
+        for text in demonstration(gold, data.solutions.get(row), data.prompt_template):
             ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            if len(ids) <= args.max_new_tokens and score([text], [gold], answer_format=answer_format)[0][0] == 1.0:
+            if len(ids) <= data.max_new_tokens and score([text], [gold], answer_format=answer_format)[0][0] == 1.0:
                 data.demos[row] = Completion(token_ids=ids, text=text, truncated=False)
                 break
     return data.demos[row]
@@ -425,16 +442,14 @@ class TrainGroups:
         )
 
 
-def inject_and_replay(
-    data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args, step: int = 0, keep=None
-) -> TrainGroups:
+def inject_and_replay(data: DataStrategies, rows, prompts, completions, correct, golds, step: int = 0, keep=None):
     """The groups to train on. rows/prompts/golds: one per group; completions/correct: per completion; keep: the
     groups trained on, in order (default all; dapo/cispo's kept groups). --gt-injection: an all-wrong group's last
     completion becomes the row's verified demonstration, for at most --gt-injection-max-frac of the kept groups
     (the first ones). --replay: a group whose rewards are all equal (all correct, or all wrong and not injected) is
     replaced by the buffer's newest group of at most --replay-max-age steps. The inputs are not modified (they stay
     the policy's own samples)."""
-    g, est = args.group_size, data.tracker.pass_rate()
+    g, est = data.group_size, data.tracker.pass_rate()
     keep = range(len(rows)) if keep is None else keep
     rows_kept = [rows[k] for k in keep]
     out = TrainGroups(
@@ -448,19 +463,19 @@ def inject_and_replay(
         rows_kept,
         step,
     )
-    max_injected = math.floor(args.gt_injection_max_frac * len(keep) + 1e-9) if args.gt_injection else 0
+    max_injected = math.floor(data.gt_injection_max_frac * len(keep) + 1e-9) if data.gt_injection else 0
     for k, (row, i) in enumerate(zip(rows_kept, keep)):
         group = out.correct[k * g : (k + 1) * g]
         if (
-            args.gt_injection
+            data.gt_injection
             and max(group) == 0
             and sum(out.injected) < max_injected
-            and (demo := _demo(data, row, golds[i], tokenizer, args)) is not None
+            and (demo := _demo(data, row, golds[i])) is not None
         ):
             out.completions[(k + 1) * g - 1], out.correct[(k + 1) * g - 1] = demo, 1.0
             out.injected[k] = True
             out.bare += demo.text != data.solutions.get(row)
-        elif args.replay and min(group) == max(group) and (old := data.buffer.pop(step, args.replay_max_age)):
+        elif data.replay and min(group) == max(group) and (old := data.buffer.pop(step, data.replay_max_age)):
             out.prompts[k], out.fresh[k] = old["prompt"], False
             stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])
             for j, (ids, text, trunc, c, lp) in enumerate(stored):
@@ -471,30 +486,26 @@ def inject_and_replay(
     return out
 
 
-def train_groups(
-    data: DataStrategies, rows, prompts, completions, correct, golds, tokenizer, args, accelerator, step, keep=None
-) -> TrainGroups:
+def train_groups(data: DataStrategies, rows, prompts, completions, correct, golds, accelerator, step, keep=None):
     """The data strategies before the batch is built: `inject_and_replay` (golds: one per training row, all of
     them), which reads the estimates before this step; then the tracker counts the step's own samples of every rank
     (rows: this rank's, one per group; correct: per completion) with the forgetting rule."""
-    train = inject_and_replay(
-        data, rows, prompts, completions, correct, [golds[r] for r in rows], tokenizer, args, step, keep
-    )
+    train = inject_and_replay(data, rows, prompts, completions, correct, [golds[r] for r in rows], step, keep)
     everyone = [accelerator.gather(torch.tensor(x, device=accelerator.device)).tolist() for x in (rows, correct)]
-    data.tracker.update(*everyone, args.group_size, args.tracker_half_life)
+    data.tracker.update(*everyone, data.group_size, data.tracker_half_life)
     return train
 
 
-def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict, args) -> None:
+def finish_batch(data: DataStrategies, train: TrainGroups, batch: dict) -> None:
     """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
     the policy that generated them), raised where needed so that a row with A < 0 starts the step with ratio at
     most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A unbounded below for A < 0, and a stale token
     can have a huge ratio). This step's high-value groups enter the buffer with their log-probs and step: a hard
     prompt solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected group;
     only groups with signal (0 < #correct < G). The batch's rows must be train's completions, in order."""
-    if not args.replay or "old_logps" not in batch:
+    if not data.replay or "old_logps" not in batch:
         return
-    old, g = batch["old_logps"], args.group_size
+    old, g = batch["old_logps"], data.group_size
     for r, lp in train.stored_logps.items():
         stored = torch.tensor(lp, dtype=old.dtype, device=old.device)
         if batch["advantages"][r] < 0:  # pi / pi_old <= cap: log pi_old >= log pi - log cap, pi the policy now

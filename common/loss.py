@@ -2,7 +2,7 @@
 token-level aggregation with global normalisers.
 
 Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use. Also here: the
-rollout correction's weight (SPEC §12), which each script's compute_policy_loss multiplies into its policy term,
+rollout correction's weight (docs/design.md), which each script's compute_policy_loss multiplies into its policy term,
 and the batching of a rollout into padded tensors and token-budget micro-batches.
 
 Log-probs. `TokenLogProbs` wraps a Hugging Face causal LM. Its forward runs the decoder to the final hidden
@@ -231,26 +231,26 @@ def masked_aggregate(
     raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
-def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
-    """Rollout correction (SPEC §12) for the sampler/trainer mismatch: a detached weight on each token's policy-loss
-    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (token-*) or exp(the sum of that
+def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, num_tokens=None):
+    """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
+    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (mode token-*) or exp(the sum of that
     log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
     w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
     counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
     the correction is off or "auto", which the scripts' main() resolves from the sampler; stats: token means over the
     mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
     nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
-    if args.rollout_correction in ("none", "auto"):
+    if mode in ("none", "auto"):
         return 1.0, {}
     if rollout_logps is None:
-        raise ValueError(f"--rollout-correction {args.rollout_correction} needs the sampler's log-probs")
+        raise ValueError(f"--rollout-correction {mode} needs the sampler's log-probs")
     # NaN rollout log-probs mark rows the sampler did not produce this step (injected, replayed): weight 1 there
     log_w = (old_logps.detach() - rollout_logps.to(old_logps.dtype)).nan_to_num(nan=0.0) * mask
-    if args.rollout_correction.startswith("sequence"):
+    if mode.startswith("sequence"):
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
-    over, log_cap = log_w > math.log(args.rollout_correction_cap), math.log(args.rollout_correction_cap)
+    over, log_cap = log_w > math.log(cap), math.log(cap)
     weight = torch.exp(log_w.clamp(max=log_cap))
-    if args.rollout_correction.endswith("mask"):
+    if mode.endswith("mask"):
         weight = torch.where(over, 0.0, weight)
     token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
     stats = {
@@ -283,18 +283,20 @@ def pad_logprobs(logprobs: list[list[float] | None], width: int) -> torch.Tensor
     return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
 
 
-def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tuple[list[int], int, int]]:
+def micro_batches(
+    rows: list[int], lens: list[tuple[int, int]], max_rows: int, max_tokens: int
+) -> list[tuple[list[int], int, int]]:
     """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
-    lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order, or with
-    --micro-batch-tokens, longest completion first, as many rows as fit (at most --micro-batch-size)."""
-    if args.micro_batch_tokens <= 0:
-        groups = [rows[i : i + args.micro_batch_size] for i in range(0, len(rows), args.micro_batch_size)]
+    lens: (prompt length, completion length) per row. `max_rows` rows at a time in the given order (max_tokens 0), or
+    longest completion first, as many rows as fit in `max_tokens` padded tokens (at most `max_rows`)."""
+    if max_tokens <= 0:
+        groups = [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
     else:
         groups, width = [], (0, 0)
         for r in sorted(rows, key=lambda r: -lens[r][1]):
             w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
-            if not groups or (n := len(groups[-1]) + 1) > args.micro_batch_size or n * sum(w) > args.micro_batch_tokens:
+            if not groups or (n := len(groups[-1]) + 1) > max_rows or n * sum(w) > max_tokens:
                 groups.append([])
                 w = lens[r]
             groups[-1].append(r)

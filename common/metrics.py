@@ -1,4 +1,4 @@
-"""What a run shows beyond reward: completion statistics and evaluation scores (SPEC §7, seeds/000 误区三).
+"""What a run shows beyond reward: completion statistics and evaluation scores.
 
 Completion statistics and evaluation, shared by every script's logging: pure functions of texts and 0/1
 correctness, plus `evaluate` (samples with the run's sampler) and `log_samples` (writes samples.jsonl and
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.reward import answer_format_for, extract_final_answer, score
+from common.reward import extract_final_answer, score
 
 REFLECTION_WORDS = (
     "wait",
@@ -184,12 +184,15 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
     return float(np.mean([score[a] for a in tied]))
 
 
-def evaluate(sampler, eval_sets, tokenizer, args) -> dict[str, float]:
-    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set, k = --eval-samples."""
-    metrics, k, fmt = {}, args.eval_samples, answer_format_for(args.prompt_template, args.reward_format)
+def evaluate(
+    sampler, eval_sets, k: int, temperature: float, top_p: float, max_new_tokens: int, answer_format: str
+) -> dict[str, float]:
+    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k samples per
+    question at `temperature` (0: greedy, top_p then 1), the final answer read in `answer_format` (a resolved one,
+    not "auto")."""
+    metrics, fmt, top_p = {}, answer_format, top_p if temperature > 0 else 1.0
     for name, (prompts, golds) in eval_sets.items():
-        top_p = args.eval_top_p if args.eval_temperature > 0 else 1.0
-        texts = [o.text for o in sampler.generate(prompts, k, args.eval_temperature, top_p, args.eval_max_new_tokens)]
+        texts = [o.text for o in sampler.generate(prompts, k, temperature, top_p, max_new_tokens)]
         correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
         short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]

@@ -1,5 +1,5 @@
 """Run mechanics shared by every script: the checks of the flags they all have, the run directory, its checkpoints
-and tracking (SPEC §2, §8), and GRPO's frozen reference model (`load_reference`, for its KL term).
+and tracking (docs/design.md "Reliability"), and GRPO's frozen reference model (`load_reference`, for its KL term).
 
 The checks (`check_shared_args`, `check_world`, `max_model_len`) run before anything is written, and each script
 keeps its own algorithm's checks next to the calls. Every refusal is one line (SystemExit) naming the flag.
@@ -13,13 +13,14 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import tempfile
 import time
 
 import torch
 
-from common.data import check_args
+from common.data import check_args, data_state
 from common.sampling import resolve_sampler
 
 
@@ -62,23 +63,21 @@ def check_shared_args(args) -> str:
     return sampler_kind
 
 
-def check_world(args, world: int) -> None:
+def check_world(prompts_per_step: int, group_size: int, num_mini_batches: int, world: int) -> None:
     """Refuses a step that cannot be split evenly over `world` processes and --num-mini-batches."""
-    if args.prompts_per_step % world:
+    if prompts_per_step % world:
+        raise SystemExit(f"--prompts-per-step {prompts_per_step} must be divisible by the number of processes {world}")
+    if (prompts_per_step // world * group_size) % num_mini_batches:
         raise SystemExit(
-            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}"
-        )
-    if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
-        raise SystemExit(
-            f"--num-mini-batches {args.num_mini_batches} "
-            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
+            f"--num-mini-batches {num_mini_batches} "
+            f"must divide each rank's {prompts_per_step // world * group_size} completions"
         )
 
 
-def max_model_len(args, model, sampler_kind: str) -> int:
-    """The longest sequence a run samples (prompt + completion, training or evaluation); refused when vLLM would
-    refuse it, i.e. longer than the model's position embeddings."""
-    length = args.max_prompt_tokens + max(args.max_new_tokens, args.eval_max_new_tokens if args.eval_every > 0 else 0)
+def max_model_len(max_prompt_tokens: int, max_new_tokens: int, model, sampler_kind: str) -> int:
+    """The longest sequence a run samples, max_prompt_tokens + max_new_tokens (the larger of training's and
+    evaluation's); refused when vLLM would refuse it, i.e. longer than the model's position embeddings."""
+    length = max_prompt_tokens + max_new_tokens
     positions = getattr(model.config, "max_position_embeddings", None)
     if sampler_kind == "vllm" and positions is not None and length > positions:
         raise SystemExit(
@@ -88,22 +87,22 @@ def max_model_len(args, model, sampler_kind: str) -> int:
     return length
 
 
-def new_run_dir(args, broadcast_object_list) -> str:
+def new_run_dir(output_dir: str, exp_name: str, seed: int, resume: str | None, broadcast_object_list) -> str:
     """The run directory: --resume's, or <output-dir>/<exp-name>__<seed>__<unix time> with rank 0's time (it is
     created later, by rank 0). Refused when it exists already or --output-dir cannot hold it."""
-    if args.resume:
-        return args.resume.rstrip("/")
+    if resume:
+        return resume.rstrip("/")
     stamp = broadcast_object_list([int(time.time())])[0]
-    run_dir = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__{stamp}")
+    run_dir = os.path.join(output_dir, f"{exp_name}__{seed}__{stamp}")
     if broadcast_object_list([os.path.exists(run_dir)])[0]:  # rank 0's view: it creates the directory
         raise SystemExit(f"--output-dir: run directory {run_dir!r} already exists (use --resume to continue it)")
-    parent = os.path.abspath(args.output_dir)
+    parent = os.path.abspath(output_dir)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     try:  # a probe, not os.access: root passes os.access everywhere, and a file cannot hold a directory
         os.rmdir(tempfile.mkdtemp(dir=parent))
     except OSError as e:
-        raise SystemExit(f"--output-dir: {args.output_dir!r} is not writable ({e.strerror})") from None
+        raise SystemExit(f"--output-dir: {output_dir!r} is not writable ({e.strerror})") from None
     return run_dir
 
 
@@ -164,7 +163,7 @@ def run_info(device, world: int) -> dict:
     }
 
 
-def start_tracking(args, run_dir: str) -> None:
+def start_tracking(project: str, entity: str | None, group: str, run_dir: str) -> None:
     """--track: a Weights & Biases run named after the run directory, in the group --exp-name (a sweep's seeds of
     one setting together), config = args.json (the flags and "run", see run_info), syncing the TensorBoard events
     the script writes (cleanRL's convention). wandb is imported only here."""
@@ -173,10 +172,10 @@ def start_tracking(args, run_dir: str) -> None:
     with open(os.path.join(run_dir, "args.json")) as f:
         config = json.load(f)
     wandb.init(
-        project=args.wandb_project_name,
-        entity=args.wandb_entity,
+        project=project,
+        entity=entity,
         name=os.path.basename(run_dir),
-        group=args.exp_name,
+        group=group,
         sync_tensorboard=True,
         config=config,
         dir=run_dir,
@@ -184,20 +183,47 @@ def start_tracking(args, run_dir: str) -> None:
     )
 
 
-def load_reference(args, accelerator):
-    """A frozen copy of --model-name-or-path as a TokenLogProbs for a KL term: on the accelerator's device, or under
-    DeepSpeed ZeRO-3 sharded like the policy (it was loaded partitioned) in an engine without an optimizer."""
+def load_reference(model_name_or_path: str, chunk_size: int, kernel: str, accelerator):
+    """A frozen copy of the policy's checkpoint as a TokenLogProbs for a KL term: on the accelerator's device, or
+    under DeepSpeed ZeRO-3 sharded like the policy (it was loaded partitioned) in an engine without an optimizer."""
     from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM
 
     from common.loss import TokenLogProbs
 
-    model = (
-        AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).eval().requires_grad_(False)
-    )
-    ref = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel).to(accelerator.device)
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch.float32).eval().requires_grad_(False)
+    ref = TokenLogProbs(model, chunk_size=chunk_size, kernel=kernel).to(accelerator.device)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
 
         ref = deepspeed.initialize(model=ref, config=accelerator.state.deepspeed_plugin.deepspeed_config)[0]
     return ref
+
+
+def save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir: str, step: int, keep: int, **extra) -> None:
+    """checkpoints/step_<step>/{model (Hugging Face format), state (accelerate: model, optimizer, scheduler, RNG and
+    what the script registered), trainer.json (the step, every rank's sampler and replay buffer, the tracker and the
+    script's `extra` values)}, written to a temporary directory and renamed, so a kill mid-save never leaves a half
+    checkpoint behind; only the `keep` newest complete checkpoints are kept. Every rank calls it."""
+    from accelerate.utils import gather_object
+
+    final = os.path.join(run_dir, "checkpoints", f"step_{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that a kill cut short
+    accelerator.wait_for_everyone()
+    accelerator.save_state(os.path.join(tmp, "state"))
+    samplers = gather_object([sampler.state_dict()])
+    buffers = gather_object([data.buffer.state_dict()])
+    weights = accelerator.get_state_dict(policy)  # full weights on rank 0, gathered under FSDP / ZeRO-3
+    if accelerator.is_main_process:
+        lm_weights = {k.removeprefix("lm."): v for k, v in weights.items()}
+        accelerator.unwrap_model(policy).lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump({"step": step, "sampler": samplers, **extra, "data": data_state(data, buffers)}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()

@@ -342,14 +342,15 @@ def test_update_policy_steps_the_weights_then_uses_them(given):
     state = daro.DaroWeights(args)
     if given:
         state.step(torch.tensor([0.0, 0.2, 0.3, 0.4, 0.0], dtype=torch.float64), torch.ones(G + 1, dtype=torch.bool))
-        batch.update(daro=state, bucket=daro.pass_rate_bucket(rewards, args))
+        batch.update(bucket=daro.pass_rate_bucket(rewards, args))
     want_state = daro.DaroWeights(args)
     want_state.load_state_dict(state.state_dict())
     policy = TablePolicy(50)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = policy.theta.detach().clone()
-    sums, _, skipped = daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    w = state if given else None  # main's weights, or update_policy's own (w = 1)
+    sums, _, skipped = daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0, daro=w)
     assert skipped == 0
     # expected: one w step on the whole mini-batch's M_mu (from the loops), then the loss gradient with those w
     bucket = daro.pass_rate_bucket(rewards, args)
@@ -394,11 +395,11 @@ def test_loss_target_is_the_policy_steps_bucket_loss_with_the_rollout_correction
     batch = {"ids": ids, "attn": torch.cat([torch.ones(24, 2, dtype=torch.long), mask], 1), "mask": mask, "p_len": 2}
     state, want = daro.DaroWeights(args), daro.DaroWeights(args)
     batch.update(advantages=adv, lens=[(2, int(k)) for k in mask.sum(1)], old_logps=old, sampler_logps=rollout_logps)
-    batch.update(daro=state, bucket=bucket)
+    batch.update(bucket=bucket)
     policy = TablePolicy(50)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0, daro=state)
     want.step(target, mass > 0)
     torch.testing.assert_close(state.weights(), want.weights(), rtol=1e-12, atol=0)
 

@@ -4,6 +4,7 @@ a replay buffer holding groups, a learning test for injection, and tools/profile
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -129,7 +130,7 @@ def tracker_with(pass_counts: list[tuple[int, int]]) -> PromptTracker:
 
 def test_uniform_is_todays_shuffled_order():
     args = grpo.Args(prompts_per_step=8, seed=3)
-    tracker = tracker_with([(i % 5, 8) for i in range(40)])
+    data = DataStrategies(tracker_with([(i % 5, 8) for i in range(40)]), ReplayBuffer(1), {})  # uniform
     for step in range(12):  # past an epoch boundary (40 rows / 8 per step)
         for rank, world in ((0, 1), (1, 2)):
             start = (step * world + rank) * (8 // world)
@@ -137,7 +138,7 @@ def test_uniform_is_todays_shuffled_order():
                 int(np.random.default_rng([3, k // 40]).permutation(40)[k % 40])
                 for k in range(start, start + 8 // world)
             ]
-            assert grpo.step_indices(step, 40, args, rank, world, tracker=tracker) == reference
+            assert grpo.step_indices(step, 40, 8 // world, args.seed, rank, world, data.draw(step)) == reference
 
 
 @pytest.mark.parametrize(
@@ -194,14 +195,16 @@ def test_medium_sampling_no_longer_collapses_onto_a_few_prompts():
 def test_every_rank_draws_the_same_list_and_takes_its_slice():
     args = grpo.Args(prompts_per_step=8, prompt_sampling="medium", total_steps=10)
     tracker = tracker_with([(i % 9, 8) for i in range(30)])
-    whole = grpo.step_indices(4, 30, args, 0, 1, tracker=tracker)
+    data = DataStrategies(tracker, ReplayBuffer(1), {}, prompt_sampling="medium", total_steps=10)
+    whole = grpo.step_indices(4, 30, 8, args.seed, 0, 1, data.draw(4))
     assert (
-        grpo.step_indices(4, 30, args, 0, 2, tracker=tracker) + grpo.step_indices(4, 30, args, 1, 2, tracker=tracker)
+        grpo.step_indices(4, 30, 4, args.seed, 0, 2, data.draw(4))
+        + grpo.step_indices(4, 30, 4, args.seed, 1, 2, data.draw(4))
         == whole
     )
     probs = draw_probabilities(tracker.pass_rate(), "medium", 0.4, args.uniform_floor, args.curriculum_min_target)
     assert whole == draw_prompts(probs, args.seed, 4, 8) and len(set(whole)) == 8
-    assert whole != grpo.step_indices(5, 30, args, 0, 1, tracker=tracker)  # a fresh draw each step
+    assert whole != grpo.step_indices(5, 30, 8, args.seed, 0, 1, data.draw(5))  # a fresh draw each step
 
 
 # 3. Injection and replay ----------------------------------------------------------------------------------
@@ -216,8 +219,11 @@ class WordTokenizer:
         return SimpleNamespace(input_ids=[ord(ch) for ch in text])
 
 
-def strategies(n: int, size: int = 4, solutions=None) -> DataStrategies:
-    return DataStrategies(PromptTracker(n), ReplayBuffer(size), solutions or {})
+def strategies(n: int, size: int = 4, solutions=None, args=None) -> DataStrategies:
+    """n prompts, a buffer of `size` groups, and the settings of `args` that DataStrategies has."""
+    names = {f.name for f in dataclasses.fields(DataStrategies)}
+    settings = {k: v for k, v in vars(args or SimpleNamespace()).items() if k in names}
+    return DataStrategies(PromptTracker(n), ReplayBuffer(size), solutions or {}, WordTokenizer(), **settings)
 
 
 def comp(text: str) -> Completion:
@@ -233,12 +239,10 @@ def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verif
         prompt_template="qwen-boxed",
         max_new_tokens=64,
     )
-    data = strategies(3, solutions={2: "Adding, 1+2 = 3, so \\boxed{3}."})
+    data = strategies(3, solutions={2: "Adding, 1+2 = 3, so \\boxed{3}."}, args=args)
     completions = [comp(t) for t in ("5", "6", "7", "4", "x", "y", "1", "2", "9")]
     correct = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    train = inject_and_replay(
-        data, [0, 1, 2], [[1], [2], [3]], completions, correct, ["8", "4", "3"], WordTokenizer(), args
-    )
+    train = inject_and_replay(data, [0, 1, 2], [[1], [2], [3]], completions, correct, ["8", "4", "3"])
     assert train.injected == [True, False, True] and train.changed and train.bare == 1  # row 0: no solution
     assert (
         train.completions[2].text == "The answer is \\boxed{8}." and train.completions[2].token_ids[-1] == 0
@@ -248,36 +252,20 @@ def test_injection_replaces_the_last_completion_of_an_all_wrong_group_by_a_verif
         train.correct == [0, 0, 1, 1, 0, 0, 0, 0, 1] and correct[2] == 0.0 and completions[2].text == "7"
     )  # inputs untouched
     short = SimpleNamespace(**{**vars(args), "max_new_tokens": 8})  # no demonstration fits: the group stays as it is
-    assert not inject_and_replay(
-        strategies(3), [0], [[1]], completions[:3], correct[:3], ["8"], WordTokenizer(), short
-    ).changed
+    assert not inject_and_replay(strategies(3, args=short), [0], [[1]], completions[:3], correct[:3], ["8"]).changed
     wrong = inject_and_replay(
-        strategies(3, solutions={0: "so \\boxed{9}."}),
-        [0],
-        [[1]],
-        completions[:3],
-        correct[:3],
-        ["8"],
-        WordTokenizer(),
-        args,
+        strategies(3, solutions={0: "so \\boxed{9}."}, args=args), [0], [[1]], completions[:3], correct[:3], ["8"]
     )
     assert wrong.completions[2].text == "The answer is \\boxed{8}."  # a solution the verifier rejects is not used
 
 
 def test_solutions_are_matched_to_the_kept_training_rows_by_their_prompt_tokens():
-    args = SimpleNamespace(
-        difficulty_file=None,
-        prompt_template="none",
-        replay_buffer_size=4,
-        prompt_sampling="uniform",
-        gt_injection=True,
-        solution_column="solution",
-    )
+    settings = dict(difficulty_file=None, prompt_template="none", replay_buffer_size=4, gt_injection=True)
     questions, solutions = ["1+1=", "too long question", "2+2="], ["s0", "s1", "s2"]
     train_prompts = [[ord(c) for c in "2+2="], [ord(c) for c in "1+1="]]  # what encode_prompts kept, in its order
     lines = []
     data = init_data(
-        args, questions, solutions, train_prompts, WordTokenizer(), lines.append, lambda q, template, tok: q
+        questions, solutions, train_prompts, WordTokenizer(), lines.append, lambda q, t, tok: q, **settings
     )
     assert data.solutions == {0: "s2", 1: "s0"} and data.tracker.samples.shape == (2,) and not lines
 
@@ -289,9 +277,8 @@ def test_a_setting_that_quietly_does_less_says_so_once(kw, says):
     """--gt-injection without --solution-column (bare answers) and curriculum without a profile (every estimate 0.5
     at the start) each print one line."""
     base = dict(difficulty_file=None, prompt_template="none", replay_buffer_size=4, prompt_sampling="uniform")
-    args = SimpleNamespace(**{**base, "gt_injection": False, "solution_column": None, **kw})
     lines = []
-    init_data(args, ["1+1="], [], [[49]], WordTokenizer(), lines.append, lambda q, template, tok: q)
+    init_data(["1+1="], [], [[49]], WordTokenizer(), lines.append, lambda q, t, tok: q, **{**base, **kw})
     assert len(lines) == 1 and says in lines[0] and "\n" not in lines[0]
 
 
@@ -308,8 +295,9 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
         clip_eps_high=0.2,
         beta=0.0,
         rollout_correction="none",
+        rollout_correction_cap=2.0,
     )
-    data = strategies(4, size=2)
+    data = strategies(4, size=2, args=args)
     data.tracker.samples[:], data.tracker.correct[:] = [8, 8, 8, 8], [0, 8, 4, 0]  # estimates 0.1, 0.9, 0.5, 0.1
     old = {
         "prompt": [9, 9],
@@ -323,9 +311,7 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
     data.buffer.push(old)  # the newest: replayed first
     completions = [comp(t) for t in ("x", "y", "z", "w", "u", "v", "s", "t")]
     correct = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]  # groups: signal, none (all wrong), none (all correct), signal
-    train = inject_and_replay(
-        data, [0, 1, 2, 3], [[1], [2], [3], [4]], completions, correct, ["1"] * 4, WordTokenizer(), args
-    )
+    train = inject_and_replay(data, [0, 1, 2, 3], [[1], [2], [3], [4]], completions, correct, ["1"] * 4)
     assert train.replayed == 2 and train.fresh == [True, False, False, True]
     assert train.prompts == [[1], [9, 9], [8], [4]] and train.correct[2:4] == [1.0, 0.0]
     assert [c.token_ids for c in train.completions[2:4]] == [[5, 6], [7]] and train.completions[3].truncated
@@ -338,7 +324,7 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
     current[3, 0] = current[5, 0] = -0.5  # the stored -2.0 would give these A < 0 tokens a ratio e^1.5 = 4.5 > 3
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     batch = {"old_logps": current.clone(), "mask": mask, "advantages": adv}
-    finish_batch(data, train, batch, args)
+    finish_batch(data, train, batch)
     for r in (2, 4):  # both replayed groups carried these log-probs; A > 0 rows take them as they are
         assert batch["old_logps"][r, :2].tolist() == [-0.5, -1.5]
         assert batch["old_logps"][r + 1, 0].item() == pytest.approx(-0.5 - math.log(REPLAY_RATIO_CAP))  # dual-clip cap
@@ -375,15 +361,13 @@ def test_injection_cap_leaves_the_other_all_wrong_groups_to_replay():
         prompt_template="qwen-boxed",
         max_new_tokens=64,
     )
-    data = strategies(4, size=4)
+    data = strategies(4, size=4, args=args)
     old = {"prompt": [9], "token_ids": [[5], [6]], "texts": ["a", "b"], "truncated": [False] * 2, "step": 0}
     for _ in range(3):
         data.buffer.push({**old, "correct": [1.0, 0.0], "logps": [[-1.0], [-1.0]]})
     completions = [comp(t) for t in ("1", "2", "3", "4", "5", "6", "7", "8")]
     correct = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
-    train = inject_and_replay(
-        data, [0, 1, 2, 3], [[1], [2], [3], [4]], completions, correct, ["8"] * 4, WordTokenizer(), args, step=3
-    )
+    train = inject_and_replay(data, [0, 1, 2, 3], [[1], [2], [3], [4]], completions, correct, ["8"] * 4, step=3)
     assert train.injected == [True, True, False, False] and train.fresh == [True, True, False, False]
     assert train.replayed == 2 and train.bare == 2
 
@@ -472,7 +456,7 @@ def strict_run(assets, out, steps, *switches: str) -> list[dict]:
         str(out),
         steps,
         **{
-            "reward-format": "boxed",  # the strict verifier: no \\boxed{...}, no reward (issue 12's test task)
+            "reward-format": "boxed",  # the strict verifier: no \\boxed{...}, no reward
             "max-new-tokens": 12,
             "learning-rate": 5e-3,
             "beta": 0,
@@ -570,7 +554,7 @@ def test_profile_data_on_the_toy_data_and_difficulty_file(toy_assets, tmp_path):
     )
     (run_dir,) = glob.glob(os.path.join(tmp_path, "run", "*__*"))
     state = trainer_state(run_dir, 1)["data"]["tracker"]
-    step0 = grpo.step_indices(0, 512, grpo.Args(prompts_per_step=1), 0, 1)[0]
+    step0 = grpo.step_indices(0, 512, 1, grpo.Args().seed)[0]
     decay = 0.5 ** (1 / grpo.Args().tracker_half_life)  # the prior is forgotten like any count, here over 1 step
     for r in rows:
         extra = 8 if r["index"] == step0 else 0

@@ -238,6 +238,6 @@ def test_evaluation_does_not_apply_the_truncation_rule():
 
     args = dr_grpo.Args(eval_samples=2)
     assert args.truncated_reward == "zero"
-    metrics = evaluate(Sampler(), {"toy.jsonl": ([[5]], ["4"])}, None, args)
+    metrics = evaluate(Sampler(), {"toy.jsonl": ([[5]], ["4"])}, args.eval_samples, 0.0, 1.0, 8, "boxed")
     assert metrics["eval/toy/avg@2"] == metrics["eval/toy/pass@2"] == metrics["eval/toy/maj@2"] == 1.0
     assert dr_grpo.compute_rewards(torch.tensor([1.0]), torch.tensor([2]), torch.tensor([True]), args).item() == 0.0

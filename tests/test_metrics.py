@@ -72,8 +72,7 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
             }  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
             return [Completion(token_ids=[1], text=t, truncated=False) for q in range(len(prompts)) for t in texts[q]]
 
-    args = grpo.Args(eval_samples=4, prompt_template="none")  # bare answers: the "any" answer format
-    metrics = grpo.evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, None, args)
+    metrics = grpo.evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, 4, 0.0, 1.0, 8, "any")
     assert metrics["eval/toy/avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert metrics["eval/toy/pass@4"] == 1.0
     assert metrics["eval/toy/maj@4"] == pytest.approx(0.5)

@@ -1,4 +1,4 @@
-"""SPEC §8 reliability guarantees, on grpo.py (the scaffolding every script shares) and common/reward.py:
+"""docs/design.md's reliability guarantees, on grpo.py (the scaffolding every script shares) and common/reward.py:
 
 - stop/resume: a hard kill (SIGKILL) after a periodic save, or a SIGTERM, then --resume, gives the same
   metrics as an uninterrupted run, one row per step; half-written checkpoints are ignored;
@@ -296,6 +296,10 @@ def test_too_many_unparseable_answers_are_refused_with_count_and_examples(toy_as
     assert not out.exists()
 
 
+def encoding(args) -> tuple:
+    return args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac
+
+
 def test_a_few_unparseable_answers_are_dropped_and_reported(toy_assets, capsys):
     from transformers import AutoTokenizer
 
@@ -305,7 +309,7 @@ def test_a_few_unparseable_answers_are_dropped_and_reported(toy_assets, capsys):
         [r["question"] for r in rows],
         [r["answer"] for r in rows],
         tok,
-        make_args(toy_assets, "unused"),
+        *encoding(make_args(toy_assets, "unused")),
         "--dataset-name",
     )
     assert len(prompts) == len(golds) == 18 and "???" not in golds and "@@" not in golds
@@ -334,7 +338,7 @@ def test_long_prompts_are_filtered_and_counted(toy_assets, tmp_path, capsys):
     tok = AutoTokenizer.from_pretrained(toy_assets["model"])
     questions = ["1+2=", "1+2=" * 40, "3+1=", "4+4=" * 40, "0+0="]
     prompts, golds = grpo.encode_prompts(
-        questions, ["3", "3", "4", "8", "0"], tok, make_args(toy_assets, "unused"), "--dataset-name"
+        questions, ["3", "3", "4", "8", "0"], tok, *encoding(make_args(toy_assets, "unused")), "--dataset-name"
     )
     assert golds == ["3", "4", "0"] and all(len(p) <= 32 for p in prompts)
     assert "dropped 2 prompts longer than --max-prompt-tokens 32" in capsys.readouterr().out

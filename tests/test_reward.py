@@ -173,7 +173,7 @@ def test_workers_do_not_load_torch():
             assert "torch" not in f.read()
 
 
-# Answer formats (SPEC §2 math_reward): each paper's verifier reads the answer only where its template puts it.
+# Answer formats (math_reward): each paper's verifier reads the answer only where its template puts it.
 # (completion, gold, {format: expected score}); a missing format is scored by "any".
 FORMAT_CASES = [
     ("First 20 + 22 = 42", "42", {"any": 1, "boxed": 0, "answer-line": 0, "answer-tag": 0}),  # cut off, no marker

@@ -1,4 +1,4 @@
-"""--rollout-correction (SPEC §12) in every script's compute_policy_loss, against a float64 loop.
+"""--rollout-correction (docs/design.md) in every script's compute_policy_loss, against a float64 loop.
 
 The correction multiplies each token's policy-loss term by a constant weight w (never the KL term). Every script's
 loss is linear in its per-token policy terms and each term's gradient flows only through its own token's log-prob

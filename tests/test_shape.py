@@ -1,4 +1,4 @@
-"""The scripts' shape (issue 14, SPEC §1): each reads top to bottom in at most 800 lines, and what they share stays
+"""The scripts' shape (docs/design.md "Shape"): each reads top to bottom in at most 800 lines, and what they share stays
 identical, so `diff grpo.py X.py` shows the algorithm and nothing else."""
 
 from __future__ import annotations

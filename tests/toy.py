@@ -1,5 +1,5 @@
 """Offline test assets: a tiny Qwen2 model with random weights, a byte-level BPE tokenizer trained on the
-fly, and a synthetic arithmetic dataset (SPEC §9). Nothing is downloaded.
+fly, and a synthetic arithmetic dataset (docs/design.md "Tests"). Nothing is downloaded.
 
     python -m tests.toy /tmp/toy        # writes /tmp/toy/model and /tmp/toy/{train,test}.jsonl
 

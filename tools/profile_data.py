@@ -1,4 +1,4 @@
-"""Profile a dataset under a model (seeds/000 "统计丰富性"): per-prompt pass rate and response lengths.
+"""Profile a dataset under a model (what --difficulty-file reads): per-prompt pass rate and response lengths.
 
 Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts, so the same filtering and
 prompt template), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and verifier
@@ -158,7 +158,8 @@ def main(args: Args) -> None:
         args.answer_column,
         "--dataset-name",
     )
-    prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+    encoding = args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac
+    prompts, golds = encode_prompts(questions, answers, tokenizer, *encoding, "--dataset-name")
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
     sampler = make_sampler(
         args.sampler,
