@@ -1,4 +1,5 @@
-"""The README documents every flag of every script and every metric key a run writes."""
+"""The docs document every flag of every script (docs/flags.md) and every metric key a run writes
+(docs/metrics.md); their links resolve; nothing points outside the repository."""
 
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ import pytest
 from tests.test_scripts import ROOT, SCRIPTS, run_script, toy_flags
 
 
-def readme() -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
+def doc(name: str) -> str:
+    with open(os.path.join(ROOT, name)) as f:
         return f.read()
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_flag_is_in_the_readme(script):
-    text = readme()
+def test_every_flag_is_documented(script):
+    text = doc("docs/flags.md")
     mod = importlib.import_module(script)
     missing = [f.name for f in dataclasses.fields(mod.Args) if f"`--{f.name.replace('_', '-')}`" not in text]
-    assert not missing, f"{script}.py flags missing from README.md: {missing}"
+    assert not missing, f"{script}.py flags missing from docs/flags.md: {missing}"
 
 
 def documented_key(key: str) -> str:
@@ -36,7 +37,7 @@ def documented_key(key: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_metric_key_is_in_the_readme(script, toy_assets, tmp_path):
+def test_every_metric_key_is_documented(script, toy_assets, tmp_path):
     extra = {
         "eval-every": 1,
         "eval-datasets": toy_assets["test"],
@@ -49,9 +50,9 @@ def test_every_metric_key_is_in_the_readme(script, toy_assets, tmp_path):
     (run_dir,) = glob.glob(os.path.join(tmp_path, f"{script}__*"))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         keys = {k for line in f for k in json.loads(line) if k != "step"}
-    text = readme()
+    text = doc("docs/metrics.md")
     missing = sorted({documented_key(k) for k in keys if f"`{documented_key(k)}`" not in text})
-    assert not missing, f"{script}.py metric keys missing from README.md: {missing}"
+    assert not missing, f"{script}.py metric keys missing from docs/metrics.md: {missing}"
 
 
 # The repository stands alone: no pointer to a design document, notes or issue tracker outside it (docs/design.md
@@ -76,3 +77,30 @@ def test_no_reference_outside_the_repository():
                         if (m := OUTSIDE.search(line))
                     ]
     assert not found, "references to files or issues outside the repository:\n" + "\n".join(found)
+
+
+def anchors(path: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ (.+)$", doc(path), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_between_the_docs_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with #anchor, a heading in it."""
+    broken = []
+    for md in ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc(md)):
+            path, _, anchor = target.partition("#")
+            if target.startswith(("http://", "https://")):
+                continue
+            full = os.path.normpath(os.path.join(os.path.dirname(md), path)) if path else md
+            if not os.path.exists(os.path.join(ROOT, full)):
+                broken.append(f"{md}: {target} (no file)")
+            elif anchor and full.endswith(".md") and anchor not in anchors(full):
+                broken.append(f"{md}: {target} (no heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_readme_is_the_way_in():
+    """README stays short: set-up, quickstarts, the algorithms, forking, sweeps; the reference lives in docs/."""
+    assert len(doc("README.md").splitlines()) <= 300

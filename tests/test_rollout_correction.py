@@ -196,7 +196,7 @@ def test_the_help_names_trls_default_as_the_installed_trl_has_it():
     assert cfg["vllm_importance_sampling_correction"] and mode in MODES
     want = f"TRL {'.'.join(trl.__version__.split('.')[:2])}'s default is {mode} with {cap:g}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for name in [f"{s}.py" for s in SCRIPTS] + ["README.md"]:
+    for name in [f"{s}.py" for s in SCRIPTS] + ["docs/flags.md"]:
         with open(os.path.join(root, name)) as f:
             text = " ".join(f.read().split())  # docstrings wrap lines
         assert want in text and "verl's and oat's TIS" in text, name
