@@ -14,7 +14,8 @@ sampler (--sampler), then avg@--eval-k on --eval-limit held-out questions at the
 "before" figure is the same evaluation of the untrained model, once per seed. TRL: GRPOTrainer with loss_type
 "grpo", the same reward function (common.reward.score, format any), the same G, prompts, budget, temperature, lr and
 steps, HF generate (TRL's CPU route), its model then evaluated by grpo.py's evaluation. Run directories land in
-OUT/bench/; the table goes to benchmarks/results/real_model.md and the curves to --plot (tools/plot.py).
+OUT/bench/, and a rerun reuses the finished ones (a killed benchmark goes on where it stopped); the table goes
+to benchmarks/results/real_model.md and the curves to --plot (tools/plot.py).
 """
 
 from __future__ import annotations
@@ -64,9 +65,24 @@ def common_flags(data: str, a) -> list[str]:
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
+def finished(out: str, name: str, seed: int) -> str | None:
+    """A run directory of this name and seed whose last row holds an evaluation (a rerun of the benchmark reuses it,
+    so a killed benchmark goes on where it stopped)."""
+    for run_dir in sorted(glob.glob(os.path.join(out, f"{name}__{seed}__*"))):
+        try:
+            final_eval(run_dir)
+            return run_dir
+        except (OSError, ValueError, IndexError, StopIteration, KeyError):
+            continue
+    return None
+
+
 def run(script: str, flags: list[str]) -> str:
-    """Runs one script; returns its run directory."""
+    """Runs one script, or finds a finished run of the same name and seed; returns its run directory."""
     out = flags[flags.index("--output-dir") + 1]
+    name, seed = flags[flags.index("--exp-name") + 1], int(flags[flags.index("--seed") + 1])
+    if done := finished(out, name, seed):
+        return done
     before = set(glob.glob(os.path.join(out, "*")))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, f"{script}.py"), *flags], env=env, text=True,
@@ -185,7 +201,7 @@ def main() -> None:
         before.append(final_eval(run("grpo", [*flags, "--output-dir", out, "--exp-name", "before"]))[0])
         print(f"before, seed {seed}: {before[-1]:.3f}", flush=True)
     rows.append(("untrained", "-", before, []))
-    for script in a.scripts.split(","):
+    for script in [x for x in a.scripts.split(",") if x]:
         for setting in a.settings.split(","):
             inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
             accs, secs = [], []
@@ -201,7 +217,14 @@ def main() -> None:
     if a.trl:
         accs, secs = [], []
         for seed in seeds:
-            trained, s = trl_run(model, a.data, seed, os.path.join(out, f"trl_seed{seed}"), a)
+            trained = os.path.join(out, f"trl_seed{seed}")
+            if os.path.exists(os.path.join(trained, "step_times.json")):  # finished before: reuse
+                with open(os.path.join(trained, "step_times.json")) as f:
+                    s = json.load(f)["median"]
+            else:
+                trained, s = trl_run(model, a.data, seed, trained, a)
+                with open(os.path.join(trained, "step_times.json"), "w") as f:
+                    json.dump({"median": s}, f)
             flags = [*base, "--model-name-or-path", trained, "--total-steps", "0", "--eval-every", "1"]
             acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
             accs.append(acc), secs.append(s)
