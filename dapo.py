@@ -69,6 +69,7 @@ from common.data import (
 )
 from common.loss import (
     TokenLogProbs,
+    compute_logps,
     cut,
     grad_normalizers,
     masked_aggregate,
@@ -345,19 +346,7 @@ def compute_policy_loss(
     return loss, stats
 
 
-# TRY NOT TO MODIFY: log-probs of a rollout, the update loop
-def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
-    """Per-token log-probs [N, C] of the whole rollout under `policy`, micro-batch by micro-batch, without gradient
-    (zeros past each micro-batch's width)."""
-    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    all_rows = list(range(len(batch["lens"])))
-    for rows, p_w, c_w in micro_batches(all_rows, batch["lens"], args.micro_batch_size, args.micro_batch_tokens):
-        idx = torch.tensor(rows, device=logps.device)
-        mb = cut(batch, idx, p_w, c_w)
-        logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, args.temperature)[0].to(logps.dtype)
-    return logps
-
-
+# TRY NOT TO MODIFY: the update loop
 def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int, num_mini_batches=None):
     """PPO-style updates on one rollout: `ppo_epochs` passes, each split into `num_mini_batches` optimizer steps
     (default --num-mini-batches), each accumulated over micro-batches whose losses share the mini-batch's global
@@ -662,12 +651,13 @@ def main(args: Args) -> None:
         if any(c.logprobs is not None for c in train.completions):  # sampler log-probs: canary, rollout correction
             batch["sampler_logps"] = pad_logprobs([c.logprobs for c in train.completions], mask.shape[1]).to(device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
-        with torch.no_grad():
+        plan = micro_batches(list(range(len(ids))), batch["lens"], args.micro_batch_size, args.micro_batch_tokens)
+        with torch.no_grad():  # old and reference log-probs of the whole rollout, in micro-batches of `plan`
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay) and has_signal:  # freeze pi_old once
-                batch["old_logps"] = compute_logps(policy, batch, args)
+                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
             finish_batch(data, train, batch)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:
-                batch["ref_logps"] = compute_logps(ref_policy, batch, args)
+                batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         t_old = time.time() - t0 - t_gen - t_reward
 
         # TRAIN: mini-batches of the rollout, each split into micro-batches with one global normaliser

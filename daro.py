@@ -37,19 +37,16 @@ mass, which adds the two parts instead of subtracting them and sets how hard the
   - Step size: at the converged weights the policy step is ~(buckets present) / (token mean of |A|), ~10x, the
     token-mean baseline's (train/daro_weighted_mass / train/daro_mass); --daro-w-normalize, an ablation, scales the
     weights the policy step uses to mean 1 over the present buckets (README "DARO's weights").
-  - M_mu and the bucket counts are all-reduced over ranks, so every rank holds the same w. w starts at 1, and
-    w and its optimizer are saved in checkpoints and restored by --resume.
-The reported loss is the whole L_DARO: the -ln w_mu terms are spread over each bucket's sequences, so that the
-values of the micro-batches add up.
+  - M_mu and the bucket counts are all-reduced over ranks (every rank holds the same w); w starts at 1 and is
+    checkpointed with its optimizer. The reported loss is the whole L_DARO (-ln w_mu spread over mu's sequences).
 
 Defaults. From the write-up: the base loss, i.e. token-mean (W eq. 2, following LitePPO), no KL (W eq. 2 has none),
 a symmetric clip eps (W eq. 2's f), mu = 0, 1 excluded (W eq. 4), and 128 prompts per step for 500 steps (its worked
 example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one of the paper's three models per its
 abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2, max length
-1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As in grpo.py,
-std is the unbiased estimator, eps_std = 1e-6, and a zero-variance group gets A = 0. Not from the write-up: the
-\\boxed{} verifier of the qwen-boxed template (--reward-format auto), and --rollout-correction (TRL / verl; on by
-default with vLLM), applied to each token's term before the bucket sums.
+1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As in grpo.py:
+std unbiased, eps_std = 1e-6, a zero-variance group gets A = 0, the verifier reads --reward-format auto, and
+--rollout-correction (TRL / verl; on by default with vLLM) weights each token's term before the bucket sums.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -85,6 +82,7 @@ from common.data import (
 )
 from common.loss import (
     TokenLogProbs,
+    compute_logps,
     cut,
     grad_normalizers,
     masked_aggregate,
@@ -440,19 +438,7 @@ def compute_policy_loss(
     return loss, stats
 
 
-# TRY NOT TO MODIFY: log-probs of a rollout, the update loop
-def compute_logps(policy, batch: dict, args: Args) -> torch.Tensor:
-    """Per-token log-probs [N, C] of the whole rollout under `policy`, micro-batch by micro-batch, without gradient
-    (zeros past each micro-batch's width)."""
-    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    all_rows = list(range(len(batch["lens"])))
-    for rows, p_w, c_w in micro_batches(all_rows, batch["lens"], args.micro_batch_size, args.micro_batch_tokens):
-        idx = torch.tensor(rows, device=logps.device)
-        mb = cut(batch, idx, p_w, c_w)
-        logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, args.temperature)[0].to(logps.dtype)
-    return logps
-
-
+# TRY NOT TO MODIFY: the update loop
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch: dict, args: Args, step: int, num_mini_batches=None, daro=None
 ):
@@ -730,13 +716,14 @@ def main(args: Args) -> None:
         if any(c.logprobs is not None for c in train.completions):  # sampler log-probs: canary, rollout correction
             batch["sampler_logps"] = pad_logprobs([c.logprobs for c in train.completions], mask.shape[1]).to(device)
         has_signal = accelerator.reduce((advantages != 0).any().float().reshape(1), "sum").item() > 0
-        with torch.no_grad():
+        plan = micro_batches(list(range(len(ids))), batch["lens"], args.micro_batch_size, args.micro_batch_tokens)
+        with torch.no_grad():  # old and reference log-probs of the whole rollout, in micro-batches of `plan`
             rc_loss = args.daro_w_target == "loss" and args.rollout_correction != "none"  # ALGO LOGIC: L_mu's weight
             if (args.num_mini_batches * args.ppo_epochs > 1 or args.replay or rc_loss) and has_signal:  # pi_old once
-                batch["old_logps"] = compute_logps(policy, batch, args)
+                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
             finish_batch(data, train, batch)  # DATA: replayed rows' stored log-probs; store high-value groups
             if ref_policy is not None and has_signal:
-                batch["ref_logps"] = compute_logps(ref_policy, batch, args)
+                batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         t_old = time.time() - t0 - t_gen - t_reward
 
         # TRAIN: mini-batches of the rollout, each split into micro-batches with one global normaliser

@@ -315,3 +315,14 @@ def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
         advantages=batch["advantages"][idx],
     )
     return out
+
+
+def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> torch.Tensor:
+    """Per-token log-probs [N, C] of a whole rollout `batch` under `policy` at `temperature`, without gradient, one
+    micro-batch of `plan` (`micro_batches`) at a time (zeros past each micro-batch's width)."""
+    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
+    for rows, p_w, c_w in plan:
+        idx = torch.tensor(rows, device=logps.device)
+        mb = cut(batch, idx, p_w, c_w)
+        logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
+    return logps
