@@ -163,7 +163,7 @@ class Args:
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
 
-    # Data strategies (README "Data strategies"): all off by default
+    # Data strategies (docs/data_strategies.md): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
     """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
     around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""
@@ -209,7 +209,7 @@ class Args:
     micro_batch_tokens: int = 8192
     """token budget of one forward/backward on each rank: each mini-batch's sequences, longest first, fill micro-batches
     of at most this many (padded) tokens; the gradient is the same, with less padding (0: --micro-batch-size rows).
-    8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's former default worst case (README "Micro-batches")"""
+    8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's former default worst case (docs/benchmarks.md)"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on CUDA, none on CPU"""
     gradient_checkpointing: bool = False
@@ -224,10 +224,10 @@ class Args:
         "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
     ] = "auto"
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
-    (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
+    (docs/algorithms.md); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
     """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
-    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (docs/algorithms.md)"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 

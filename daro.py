@@ -33,10 +33,10 @@ mass, which adds the two parts instead of subtracting them and sets how hard the
     average of ln(1/M_mu) at rate lr.
   - --daro-w-target loss fits w to the write-up's literal w_mu L_mu = 1, with L_mu at the rollout policy (r = 1,
     the policy step's rollout-correction weight included, for which pi_old is computed even with one update per
-    rollout) floored at --daro-loss-floor x M_mu, so -ln w_mu stays bounded (README "DARO's weights").
+    rollout) floored at --daro-loss-floor x M_mu, so -ln w_mu stays bounded (docs/algorithms.md "DARO's weights").
   - Step size: at the converged weights the policy step is ~(buckets present) / (token mean of |A|), ~10x, the
     token-mean baseline's (train/daro_weighted_mass / train/daro_mass); --daro-w-normalize, an ablation, scales the
-    weights the policy step uses to mean 1 over the present buckets (README "DARO's weights").
+    weights the policy step uses to mean 1 over the present buckets (docs/algorithms.md "DARO's weights").
   - M_mu and the bucket counts are all-reduced over ranks (every rank holds the same w); w starts at 1 and is
     checkpointed with its optimizer. The reported loss is the whole L_DARO (-ln w_mu spread over mu's sequences).
 
@@ -175,7 +175,7 @@ class Args:
     vllm_enable_sleep_mode: bool = False
     """offload vLLM's weights and KV cache while training"""
 
-    # Data strategies (README "Data strategies"): all off by default
+    # Data strategies (docs/data_strategies.md): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
     """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
     around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""
@@ -221,7 +221,7 @@ class Args:
     micro_batch_tokens: int = 8192
     """token budget of one forward/backward on each rank: each mini-batch's sequences, longest first, fill micro-batches
     of at most this many (padded) tokens; the gradient is the same, with less padding (0: --micro-batch-size rows).
-    8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's former default worst case (README "Micro-batches")"""
+    8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's former default worst case (docs/benchmarks.md)"""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on CUDA, none on CPU"""
     gradient_checkpointing: bool = False
@@ -236,10 +236,10 @@ class Args:
         "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
     ] = "auto"
     """importance weight exp(old_logps - sampler_logps) on the policy-loss term, for the sampler/trainer mismatch
-    (README "Rollout correction"); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
+    (docs/algorithms.md); auto: token-truncate with vLLM, none with HF generate (its log-probs are ours)"""
     rollout_correction_cap: float = 2.0
     """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked; 2 with
-    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (README "Rollout correction")"""
+    token-truncate is verl's and oat's TIS, TRL 1.16's default is sequence-mask with 3 (docs/algorithms.md)"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none, unbounded memory; README)"""
 
@@ -264,7 +264,7 @@ class Args:
     daro_loss_floor: float = 0.1
     """--daro-w-target loss: L_mu is floored at this fraction of M_mu, so w_mu <= 1/(floor M_mu): -ln w_mu is bounded"""
     daro_w_normalize: bool = False
-    """ablation: the policy step's w_mu scaled to mean 1 over the buckets present (README "DARO's weights")"""
+    """ablation: the policy step's w_mu scaled to mean 1 over the buckets present (docs/algorithms.md)"""
 
     # Evaluation
     eval_every: int = 0

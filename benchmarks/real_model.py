@@ -8,7 +8,7 @@ GRPOTrainer on the same model, data, reward and budget, side by side.
     python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --trl                    # the README's run
 
 Every run: the qwen-boxed chat template scored with `--reward-format any` (the model almost never writes a
-\\boxed{} answer, README "A real model"), G = --group-size completions of at most --new-tokens tokens for
+\\boxed{} answer, README "A real model on a CPU"), G = --group-size completions of at most --new-tokens tokens for
 --prompts prompts per step at temperature --temperature, lr --lr, no KL, --steps steps, vLLM's CPU build as the
 sampler (--sampler), then avg@--eval-k on --eval-limit held-out questions at the same temperature and budget. The
 "before" figure is the same evaluation of the untrained model, once per seed. TRL: GRPOTrainer with loss_type

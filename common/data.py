@@ -7,7 +7,7 @@ strategies").
   step's prompts: shuffled epochs keyed by (seed, step), so --resume replays them).
 
 The data strategies below are not part of an algorithm's story either: they decide which prompts a step draws and
-what a group holds. All are off by default; the scripts call them with identical lines (README "Data strategies").
+what a group holds. All are off by default; the scripts call them with identical lines (docs/data_strategies.md).
 
 - `PromptTracker`: per-prompt sample and correct counts over every rollout, gathered over ranks, optionally seeded
   by `--difficulty-file` (tools/profile_data.py's output). Estimated pass rate: the posterior mean under a
@@ -28,7 +28,7 @@ what a group holds. All are off by default; the scripts call them with identical
   by the newest group of a `ReplayBuffer` of high-value groups at most --replay-max-age steps old, whose
   per-token log-probs under the generating policy were stored. `finish_batch` (after): replayed rows take those
   log-probs, with the ratio of rows with A < 0 capped at REPLAY_RATIO_CAP, and new high-value groups are stored.
-  `data_metrics`: what the strategies did this step (data/* keys, README "Metrics").
+  `data_metrics`: what the strategies did this step (data/* keys, docs/metrics.md).
 - health metrics live in common/metrics.py (`health_metrics`, over all ranks).
 """
 

@@ -239,7 +239,7 @@ def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, nu
     counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
     the correction is off or "auto", which the scripts' main() resolves from the sampler; stats: token means over the
     mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
-    nucleus mass (<= 1) even without any mismatch (README "Rollout correction")."""
+    nucleus mass (<= 1) even without any mismatch (docs/algorithms.md "Rollout correction")."""
     if mode in ("none", "auto"):
         return 1.0, {}
     if rollout_logps is None:

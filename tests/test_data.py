@@ -1,4 +1,4 @@
-"""Data strategies (common/data.py, README "Data strategies"): the per-prompt tracker against a brute-force count
+"""Data strategies (common/data.py, docs/data_strategies.md): the per-prompt tracker against a brute-force count
 (also on 2 processes), the prompt draws against their definitions, ground-truth injection and replay, resume with
 a replay buffer holding groups, a learning test for injection, and tools/profile_data.py on the toy data."""
 
@@ -489,7 +489,7 @@ def test_ground_truth_injection_learns_a_format_the_model_never_samples(toy_asse
     """Easy sums scored only inside \\boxed{}: the random model never writes it, so plain GRPO has no signal and its
     accuracy is exactly 0; with --gt-injection and the demonstration "The answer is \\boxed{s}." it learns the format
     (then one digit in ~9 is right by chance, more as it learns the sums). Threshold: over seeds 1-4, 40 steps gave
-    eval avg@4 0.086-0.188 and pass@4 0.31-0.56 (README "Data strategies"); we ask pass@4 >= 0.1. Without injection
+    eval avg@4 0.086-0.188 and pass@4 0.31-0.56 (docs/data_strategies.md); we ask pass@4 >= 0.1. Without injection
     no step has a signal, so nothing is updated: 10 steps show it as well as 40."""
     without = strict_run(toy_assets, tmp_path / "plain", 10)
     assert (

@@ -150,7 +150,7 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
-    """GPU only (never run yet, see README "GPU status"): from the mini-batch's normalisers to its gradient clip,
+    """GPU only (never run yet, see docs/gpu.md "GPU status"): from the mini-batch's normalisers to its gradient clip,
     `update_policy` runs under torch.cuda.set_sync_debug_mode("error"), i.e. no micro-batch reads the device."""
     import importlib
 

@@ -195,7 +195,7 @@ FORMAT_CASES = [
     ("Work.\nAnswer: \\boxed{5", "5", {"answer-line": 0, "answer-line-strict": 0}),
     ("Work.\nAnswer: \\boxed{3} or \\boxed{5", "3", {"answer-line": 0}),
     ("Work.\nAnswer: \\boxed{5}", "5", {"answer-line": 1, "answer-line-strict": 1}),
-    # what answer-line strips and math_dapo does not (README "Answer formats"); answer-line-strict: math_dapo's verdict
+    # what answer-line strips and math_dapo does not (docs/algorithms.md); answer-line-strict: math_dapo's verdict
     ("Work.\n**Answer:** 5", "5", {"answer-line": 1, "answer-line-strict": 0}),
     ("Work.\nAnswer: 5.", "5", {"answer-line": 1, "answer-line-strict": 0}),
     ("Work.\nAnswer: \\(5\\)", "5", {"answer-line": 1, "answer-line-strict": 0}),

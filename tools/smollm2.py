@@ -16,7 +16,7 @@ Idempotent: a finished conversion is recognised by `OUT_DIR/model/smollm2.json` 
 and skipped; everything is written to a temporary directory and renamed, so a killed run leaves nothing half-written.
 The task files are rewritten each time (cheap, deterministic for a given --seed).
 
-The task (measured in README "A real model"): two-operand word problems, "Tom has 7 apples and buys 5 more. How
+The task (measured in README "A real model on a CPU"): two-operand word problems, "Tom has 7 apples and buys 5 more. How
 many apples does Tom have now?" with a, b in 1..20 (sums and differences, never negative), the question column
 holding the bare question, `answer` the number and `solution` a one-line worked solution ending in `\\boxed{}`
 (for --gt-injection's --solution-column). The model answers most of them in words and rarely puts the number in a
