@@ -664,7 +664,7 @@ class VLLMSampler:
             # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with set_offset,
             # which CPU generators lack ("CPU Generator does not use offset"): schedule whole prompts only
             llm_kwargs.setdefault("enable_chunked_prefill", False)
-            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))  # vLLM's CPU default, or a whole prompt
+            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))  # CPU default or a prompt
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own CPU setting, in GiB, wins when set
                 import psutil  # a vLLM dependency
 
