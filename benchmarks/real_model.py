@@ -189,6 +189,7 @@ def main() -> None:
     p.add_argument("--eval-k", type=int, default=2)
     p.add_argument("--sampler", default="vllm")
     p.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer (benchmarks/requirements.txt)")
+    p.add_argument("--trl-seeds", default=None, help="TRL's seeds (default: --seeds)")
     p.add_argument("--plot", default=None, help="a PNG of the runs' curves (tools/plot.py)")
     a = p.parse_args()
     model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
@@ -216,7 +217,7 @@ def main() -> None:
             rows.append((script, setting, accs, secs))
     if a.trl:
         accs, secs = [], []
-        for seed in seeds:
+        for seed in [int(x) for x in (a.trl_seeds or a.seeds).split(",")]:
             trained = os.path.join(out, f"trl_seed{seed}")
             if os.path.exists(os.path.join(trained, "step_times.json")):  # finished before: reuse
                 with open(os.path.join(trained, "step_times.json")) as f:
