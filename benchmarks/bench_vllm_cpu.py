@@ -43,9 +43,14 @@ def worker(side: str, model: str, a) -> dict:
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     times, tokens, pushes = [], [], []
     if side == "standalone":
+        import psutil
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024)
+        kv = int(0.05 * psutil.virtual_memory().total)  # the KV cache ours gets (gpu_memory_utilization 0.05)
+        llm = LLM(
+            model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024, gpu_memory_utilization=0.3,
+            kv_cache_memory_bytes=kv,
+        )  # fmt: skip
         params = SamplingParams(n=a.n, temperature=1.0, max_tokens=a.new_tokens, logprobs=0)
         reqs = [{"prompt_token_ids": p} for p in prompts]
         for step in range(a.steps + 1):
