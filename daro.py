@@ -40,13 +40,12 @@ mass, which adds the two parts instead of subtracting them and sets how hard the
   - M_mu and the bucket counts are all-reduced over ranks (every rank holds the same w); w starts at 1 and is
     checkpointed with its optimizer. The reported loss is the whole L_DARO (-ln w_mu spread over mu's sequences).
 
-Defaults. From the write-up: the base loss, i.e. token-mean (W eq. 2, following LitePPO), no KL (W eq. 2 has none),
-a symmetric clip eps (W eq. 2's f), mu = 0, 1 excluded (W eq. 4), and 128 prompts per step for 500 steps (its worked
-example). Our choices, not given in the write-up: G = 8; Qwen2.5-Math-1.5B, one of the paper's three models per its
-abstract; MATH as the training set, since the write-up's 45k-prompt set is not named; lr 1e-6, eps = 0.2, max length
-1024; one update per rollout; w starting at 1; the w optimizer SGD with lr 0.1; bounds [1e-3, 1e3]. As in grpo.py:
-std unbiased, eps_std = 1e-6, a zero-variance group gets A = 0, the verifier reads --reward-format auto, and
---rollout-correction (TRL / verl; on by default with vLLM) weights each token's term before the bucket sums.
+Defaults. From the write-up: token-mean base loss (W eq. 2, after LitePPO), no KL, a symmetric clip eps (W eq. 2's
+f), mu = 0, 1 excluded (W eq. 4), 128 prompts per step for 500 steps (its worked example). Our choices: G = 8;
+Qwen2.5-Math-1.5B, one of the paper's three models per its abstract; MATH (the write-up's 45k-prompt set is not
+named); lr 1e-6, eps = 0.2, max length 1024; one update per rollout; w starting at 1; the w optimizer SGD with lr
+0.1; bounds [1e-3, 1e3]. As in grpo.py: std unbiased, eps_std = 1e-6, a zero-variance group gets A = 0, the verifier
+reads --reward-format auto, --rollout-correction (TRL / verl; on with vLLM) weights each token's term before the sums.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -794,6 +793,7 @@ def main(args: Args) -> None:
     if writer is not None:
         writer.close()
     accelerator.print(f"done: {run_dir}")
+    accelerator.end_training()  # destroys the process group: gloo's threads can abort at exit otherwise
 
 
 if __name__ == "__main__":

@@ -633,6 +633,7 @@ def main(args: Args) -> None:
     if writer is not None:
         writer.close()
     accelerator.print(f"done: {run_dir}")
+    accelerator.end_training()  # destroys the process group: gloo's threads can abort at exit otherwise
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_aborted_or_failed_requests_raise():
 
     for reason, ok in (("stop", True), ("length", True), ("abort", False), ("error", False)):
         sampler = object.__new__(VLLMSampler)
-        sampler.seed, sampler.calls, sampler.enable_sleep_mode = 0, 0, False
+        sampler.seed, sampler.calls, sampler.enable_sleep_mode, sampler.stop = 0, 0, False, []
         sampler.llm = type("LLM", (), {"generate": lambda self, reqs, params, use_tqdm, reason=reason: [Out(reason)]})()
         if ok:
             assert isinstance(sampler.generate([[1]], 1, 1.0, 1.0, 4)[0], Completion)
