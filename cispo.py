@@ -82,6 +82,7 @@ from common.reward import answer_format_for, score, set_workers
 from common.run import (
     check_shared_args,
     check_world,
+    close_run,
     complete_checkpoints,
     max_model_len,
     new_run_dir,
@@ -729,10 +730,8 @@ def main(args: Args) -> None:
                 data_round=data_round,
             )
         if stopping:
-            if writer is not None:
-                writer.close()
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
-            return
+            return close_run(accelerator, writer)
 
     save_checkpoint(
         accelerator,
@@ -745,10 +744,8 @@ def main(args: Args) -> None:
         args.keep_checkpoints,
         data_round=data_round,
     )
-    if writer is not None:
-        writer.close()
     accelerator.print(f"done: {run_dir}")
-    accelerator.end_training()  # destroys the process group: gloo's threads can abort at exit otherwise
+    close_run(accelerator, writer)
 
 
 if __name__ == "__main__":

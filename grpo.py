@@ -67,6 +67,7 @@ from common.reward import answer_format_for, score, set_workers
 from common.run import (
     check_shared_args,
     check_world,
+    close_run,
     complete_checkpoints,
     max_model_len,
     new_run_dir,
@@ -624,16 +625,12 @@ def main(args: Args) -> None:
         if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
             save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, step + 1, args.keep_checkpoints)
         if stopping:
-            if writer is not None:
-                writer.close()
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
-            return
+            return close_run(accelerator, writer)
 
     save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, args.total_steps, args.keep_checkpoints)
-    if writer is not None:
-        writer.close()
     accelerator.print(f"done: {run_dir}")
-    accelerator.end_training()  # destroys the process group: gloo's threads can abort at exit otherwise
+    close_run(accelerator, writer)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ keeps its own algorithm's checks next to the calls. Every refusal is one line (S
 
 from __future__ import annotations
 
+import gc
 import glob
 import importlib.metadata
 import json
@@ -227,3 +228,14 @@ def save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir: str,
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def close_run(accelerator, writer) -> None:
+    """Closes the TensorBoard writer (None on other ranks) and the process groups, then frees the groups while
+    Python still runs: DeepSpeed keeps them in reference cycles that only the interpreter's exit would collect, and a
+    gloo worker thread freeing a tensor then cannot take the GIL and aborts the process ("terminate called without
+    an active exception", SIGABRT) after a finished run."""
+    if writer is not None:
+        writer.close()
+    accelerator.end_training()
+    gc.collect()

@@ -48,6 +48,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from common.loss import TokenLogProbs
+    from common.run import close_run
 
     script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
@@ -103,7 +104,7 @@ def main() -> None:
             {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
             os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"),
         )
-    accelerator.wait_for_everyone()
+    close_run(accelerator, None)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def main() -> None:
     from accelerate import Accelerator
 
     from common.metrics import health_metrics
+    from common.run import close_run
 
     accelerator = Accelerator(cpu=True)
     share = SHARES[accelerator.num_processes][accelerator.process_index]
@@ -43,6 +44,7 @@ def main() -> None:
     if accelerator.is_main_process:
         with open(sys.argv[1], "w") as f:
             json.dump({"world": accelerator.num_processes, **metrics}, f)
+    close_run(accelerator, None)
 
 
 if __name__ == "__main__":

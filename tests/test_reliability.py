@@ -643,3 +643,32 @@ def test_reward_never_executes_code_in_completions_or_golds(warm_reward_pool):
     assert set(reward.math_reward(PAYLOADS, PAYLOADS[::-1])) <= {0.0, 1.0}
     reward.find_unparseable_gold(PAYLOADS)
     assert not os.path.exists(CANARY)
+
+
+def test_close_run_frees_process_groups_held_in_reference_cycles(tmp_path):
+    """close_run destroys the process group and frees it while Python still runs, even when only a reference cycle
+    holds it (DeepSpeed's engine does): collected at interpreter exit instead, a gloo worker thread that frees a
+    tensor cannot take the GIL and aborts a finished multi-process run."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from tests.checks import free_port
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.group, holder.me = dist.group.WORLD, holder  # a cycle: only the garbage collector frees it
+    alive = weakref.ref(holder)
+    del holder
+    accelerator = types.SimpleNamespace(end_training=dist.destroy_process_group)
+    gc.disable()  # no automatic collection in between: only close_run's may free the cycle
+    try:
+        run.close_run(accelerator, None)
+    finally:
+        gc.enable()
+    assert not dist.is_initialized() and alive() is None
