@@ -18,20 +18,15 @@ sg(w_it) A_i grad log pi(o_it). No KL term, no reference model; token-level mean
 Dynamic sampling (DAPO §3.2, as MiniMax §3.1 uses it): groups whose completions are all right or all wrong have
 A = 0; they are dropped and more prompts sampled until the batch is full (the rollout loop is dapo.py's).
 
-Defaults: MiniMax validates CISPO against DAPO and GRPO in DAPO's zero-RL setting (§3.1: Qwen2.5-32B base,
-DAPO's math data, 16 rounds of off-policy updates per generation batch, dynamic sampling, no KL) and evaluates
-at temperature 1.0, top_p 0.95, AIME sampled 32 times (§5). So the defaults are dapo.py's translation of that
-setting to one node (Qwen2.5-7B, DAPO-Math-17k with its "Answer:" prompt, G=16, 512 prompts per step, 16
-mini-batches, lr 1e-6 after a 320-step warm-up, weight decay 0.1, 20480 new tokens, --max-gen-batches 10),
-which MiniMax does not restate but compares against at equal steps. Cap: eps_max = 5 (ScaleRL; insensitive to
-4/5/8). MiniMax tunes eps_high^IS but does not report it: --is-eps-high 0.2 follows verl's CISPO example.
-So the default is a hybrid: ScaleRL's cap with MiniMax's 16 off-policy updates. MiniMax's own setting is
---cispo-form minimax --overlong-penalty (DAPO's soft overlong punishment, which MiniMax §3.1 keeps; off by
-default, as in ScaleRL); docs/gpu.md gives the command. Not implemented: ScaleRL's other changes
-(prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
+Defaults: MiniMax validates CISPO in DAPO's zero-RL setting (§3.1: Qwen2.5-32B base, DAPO's math data, 16
+off-policy updates per generation batch, dynamic sampling, no KL; AIME avg@32 at temperature 1.0, top_p 0.95, §5),
+so the defaults are dapo.py's one-node translation of it (Qwen2.5-7B, DAPO-Math-17k, G=16, 512 prompts per step,
+16 mini-batches, lr 1e-6 after a 320-step warm-up, weight decay 0.1, 20480 new tokens, --max-gen-batches 10).
+Cap: eps_max = 5 (ScaleRL; insensitive to 4/5/8); MiniMax tunes eps_high^IS without reporting it: --is-eps-high
+0.2 follows verl's CISPO example. MiniMax's own setting is --cispo-form minimax --overlong-penalty (docs/gpu.md).
+Not implemented: ScaleRL's other changes (prompt-level aggregation, batch-std advantages, asynchronous PipelineRL).
 Choices the papers leave open: std is unbiased, eps_std = 1e-6, a zero-variance group gets A = 0; the reward is
-0/1, and +-1 (DAPO's) with --overlong-penalty: with group std the scale alone changes nothing but eps_std, but
-R_len adds to it, so on 0/1 the penalty would weigh twice as much as in DAPO; dynamic sampling as in dapo.py.
+0/1, DAPO's +-1 with --overlong-penalty (compute_rewards); dynamic sampling as in dapo.py.
 Verifier: DAPO's "Answer:" line (--reward-format auto with the dapo template). Not from either paper:
 --rollout-correction (TRL / verl; on by default with vLLM), which multiplies the CISPO weight.
 
@@ -71,7 +66,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -318,10 +312,12 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO loss (MiniMax eq. 4): -1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi_it, w = min(r, cap) (eq. 5).
 
-    logps, old_logps, mask: [B, T]; advantages: [B]. num_tokens: the mini-batch's token count when this batch
-    is one micro-batch of it (see common.loss.grad_normalizers); by default the batch's own. num_seqs and
-    ref_logps are unused (token-mean, no reference). Stats are token means over the same mini-batch, so they
-    add up over micro-batches too. The loss value is a surrogate (it contains log pi): only its gradient matters."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too.
+    The loss value is a surrogate (it contains log pi): only its gradient matters."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -332,9 +328,9 @@ def compute_policy_loss(
         old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
     )
     per_token = -rc_weight * weight * adv * logps  # REINFORCE with the corrected distribution, eq. 3-4
-    loss = masked_aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)  # 1/sum_i |o_i| (eq. 4)
+    loss = (per_token * mask).sum() / num_tokens  # 1/sum_i |o_i| sum_i sum_t (eq. 4)
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = loss.detach()
         stats["cap_frac"] = token_mean(ratio > cap)  # tokens whose weight is capped (PPO would drop them if A > 0)
         if floor is not None:
@@ -375,7 +371,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
@@ -415,16 +411,11 @@ def main(args: Args) -> None:
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
         args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: it drops what they would change
-        raise SystemExit(
-            "--gt-injection and --replay act on groups without signal, which --dynamic-sampling drops and "
-            "regenerates: add --no-dynamic-sampling"
-        )
-    if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.eps_max <= 0 or args.is_eps_high <= 0:
-        raise SystemExit(
-            "--max-gen-batches must be >= 1, --gen-prompts-per-round >= 0, --eps-max and --is-eps-high > 0"
-        )
-    if args.overlong_buffer_len < 1:
-        raise SystemExit(f"--overlong-buffer-len must be >= 1, got {args.overlong_buffer_len}")
+        raise SystemExit("--gt-injection and --replay need --no-dynamic-sampling (it drops the groups they act on)")
+    if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.overlong_buffer_len < 1:
+        raise SystemExit("--max-gen-batches and --overlong-buffer-len must be >= 1, --gen-prompts-per-round >= 0")
+    if args.eps_max <= 0 or args.is_eps_high <= 0:
+        raise SystemExit(f"--eps-max and --is-eps-high must be > 0, got {args.eps_max} and {args.is_eps_high}")
     gen_prompts = args.gen_prompts_per_round or args.prompts_per_step
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
@@ -540,13 +531,13 @@ def main(args: Args) -> None:
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
-    start_step = data_round = 0  # data_round: generation rounds consumed so far, the data stream's position
+    start_step = 0
     if args.resume:
         last = complete_checkpoints(run_dir)[-1]
         accelerator.load_state(os.path.join(last, "state"))
         with open(os.path.join(last, "trainer.json")) as f:
             state = json.load(f)
-        start_step, data_round = state["step"], state["data_round"]
+        start_step = state["step"]
         sampler.load_state_dict(state["sampler"][rank])
         load_data_state(data, state.get("data"), rank)
         sampler.update_weights(accelerator.unwrap_model(policy).lm)
@@ -572,17 +563,16 @@ def main(args: Args) -> None:
     bad_steps, start_time = 0, time.time()
     for step in range(start_step, args.total_steps):
         t0 = time.time()
-        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Alg. 1), the rollout. Rounds of --gen-prompts-per-round prompts (G
-        # completions each, the data stream indexed by the global round counter) until every rank holds its share
-        # of informative groups (0 < #correct < G) or --max-gen-batches rounds ran. The ranks agree on the smallest
-        # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.
+        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Alg. 1), the rollout: rounds of --gen-prompts-per-round prompts until
+        # every rank holds its share of informative groups (0 < #correct < G) or --max-gen-batches rounds ran; the
+        # ranks keep the smallest count (DDP needs equal micro-batch counts everywhere) and drop the surplus, as verl.
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
         for gen_round in range(args.max_gen_batches):  # noqa: B007 (read after the loop: train/gen_rounds)
             idx = step_indices(  # DATA: --prompt-sampling's draw (curriculum: at the step's progress, every round)
-                data_round, len(train_prompts), gen_prompts // world, args.seed, rank, world, data.draw(step)
+                data.rounds, len(train_prompts), gen_prompts // world, args.seed, rank, world, data.draw(step)
             )
-            data_round += 1
+            data.rounds += 1  # the data stream's position: generation rounds drawn so far (checkpointed)
             t1 = time.time()
             outs = sampler.generate(
                 [train_prompts[i] for i in idx], args.group_size, args.temperature, args.top_p, args.max_new_tokens
@@ -618,13 +608,12 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages (per group, so computing them over every generated group changes nothing)
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # ALGO LOGIC: the training batch is the kept groups. With none after the last round, one group with A = 0
-        # stands in and the update is skipped (train/no_signal = 1, train/train_groups = 0). At the cap with fewer
-        # groups, mini-batches keep at least their full-batch size (fewer optimizer steps).
+        # ALGO LOGIC: the training batch is the kept groups (none: one group with A = 0 stands in and the update is
+        # skipped, train/no_signal = 1); with fewer, mini-batches keep at least their size (fewer optimizer steps)
         keep = kept or [0]
         sel = [k * args.group_size + j for k in keep for j in range(args.group_size)]
-        # DATA: --gt-injection and --replay change the kept groups trained on (then their advantages); correct,
-        # lengths, rewards and texts stay the policy's own samples, which the tracker and the metrics describe
+        # DATA: what is trained on, `train`: these groups, or with --gt-injection / --replay some replaced (then their
+        # advantages too); correct, lengths, rewards and texts stay the policy's own samples, which the metrics describe
         train = train_groups(data, rows, prompts, completions, correct.tolist(), train_golds, accelerator, step, keep)
         advantages = advantages[sel]
         if train.changed:
@@ -718,32 +707,12 @@ def main(args: Args) -> None:
         )
         stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0
         if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
-            save_checkpoint(
-                accelerator,
-                policy,
-                tokenizer,
-                sampler,
-                data,
-                run_dir,
-                step + 1,
-                args.keep_checkpoints,
-                data_round=data_round,
-            )
+            save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, step + 1, args.keep_checkpoints)
         if stopping:
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
             return close_run(accelerator, writer)
 
-    save_checkpoint(
-        accelerator,
-        policy,
-        tokenizer,
-        sampler,
-        data,
-        run_dir,
-        args.total_steps,
-        args.keep_checkpoints,
-        data_round=data_round,
-    )
+    save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, args.total_steps, args.keep_checkpoints)
     accelerator.print(f"done: {run_dir}")
     close_run(accelerator, writer)
 

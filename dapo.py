@@ -25,13 +25,11 @@ same base family (Qwen2.5-Math-7B's 4k context cannot hold 20k-token responses).
 
 Choices the paper leaves open: std is unbiased, eps_std = 1e-6; the filter counts correct answers (eq. 8's
 constraint, verl's metric=acc), not distinct rewards; generation rounds take --gen-prompts-per-round fresh
-prompts from one data stream indexed by a global round counter that is checkpointed (so a resumed run replays
-the same prompts, and no prompt is skipped); each rank collects its own share and ranks agree on the smallest
-count (DDP needs equal batches), the surplus of informative groups is dropped (as in verl), and after
---max-gen-batches rounds the step trains on what it has (no update if nothing; mini-batches keep their
-size, so there are fewer of them). Rollout metrics are over every generated completion (the kept ones are
-biased towards accuracy 0.5 by construction). Overlong filtering (§3.4) masks truncated completions out of
-the loss and its token count; it is off, as in the final recipe.
+prompts from one checkpointed data stream (a resumed run replays the same prompts, none is skipped); the ranks
+keep as many groups as the poorest one (the loop's comment), and after --max-gen-batches rounds the step trains
+on what it has. Rollout metrics are over every generated completion (the kept ones are biased towards accuracy
+0.5 by construction). Overlong filtering (§3.4) masks truncated completions out of the loss and its token
+count; it is off, as in the final recipe.
 Verifier: DAPO's (verl math_dapo): the answer on the last "Answer:" line within the last 300 characters
 (--reward-format auto with the dapo template); math-verify judges it where math_dapo compares normalised strings.
 Not from the paper: --rollout-correction (TRL / verl; on by default with vLLM).
@@ -72,7 +70,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -322,10 +319,11 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DAPO loss (eq. 8): -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1-eps_low, 1+eps_high) A), no KL.
 
-    logps, old_logps, mask: [B, T]; advantages: [B]. num_tokens: the mini-batch's token count when this batch
-    is one micro-batch of it (see common.loss.grad_normalizers); by default the batch's own. num_seqs and
-    ref_logps are unused (token-mean, no reference). Stats are token means over the same mini-batch, so they
-    add up over micro-batches too. A mini-batch with no unmasked token (overlong filtering) gives 0, not 0/0."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -335,11 +333,10 @@ def compute_policy_loss(
         old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
     )
     per_token = -surrogate * rc_weight
-    if num_tokens is not None:
-        num_tokens = torch.where(num_tokens > 0, num_tokens, torch.ones_like(num_tokens))
-    loss = masked_aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)  # 1/sum_i |o_i| (eq. 8, §3.3)
+    num_tokens = torch.where(num_tokens > 0, num_tokens, 1.0)  # none left (overlong filtering): 0, not 0/0
+    loss = (per_token * mask).sum() / num_tokens  # 1/sum_i |o_i| sum_i sum_t: token-level (eq. 8, §3.3)
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = loss.detach()
         stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
@@ -378,7 +375,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
@@ -418,10 +415,7 @@ def main(args: Args) -> None:
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
         args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: it drops what they would change
-        raise SystemExit(
-            "--gt-injection and --replay act on groups without signal, which --dynamic-sampling drops and "
-            "regenerates: add --no-dynamic-sampling"
-        )
+        raise SystemExit("--gt-injection and --replay need --no-dynamic-sampling (it drops the groups they act on)")
     if args.max_gen_batches < 1 or args.gen_prompts_per_round < 0 or args.overlong_buffer_len < 1:
         raise SystemExit("--max-gen-batches and --overlong-buffer-len must be >= 1, --gen-prompts-per-round >= 0")
     gen_prompts = args.gen_prompts_per_round or args.prompts_per_step
@@ -544,13 +538,13 @@ def main(args: Args) -> None:
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_policy = None
-    start_step = data_round = 0  # data_round: generation rounds consumed so far, the data stream's position
+    start_step = 0
     if args.resume:
         last = complete_checkpoints(run_dir)[-1]
         accelerator.load_state(os.path.join(last, "state"))
         with open(os.path.join(last, "trainer.json")) as f:
             state = json.load(f)
-        start_step, data_round = state["step"], state["data_round"]
+        start_step = state["step"]
         sampler.load_state_dict(state["sampler"][rank])
         load_data_state(data, state.get("data"), rank)
         sampler.update_weights(accelerator.unwrap_model(policy).lm)
@@ -576,17 +570,16 @@ def main(args: Args) -> None:
     bad_steps, start_time = 0, time.time()
     for step in range(start_step, args.total_steps):
         t0 = time.time()
-        # ALGO LOGIC: dynamic sampling (§3.2, Algorithm 1), the rollout. Rounds of --gen-prompts-per-round prompts (G
-        # completions each, the data stream indexed by the global round counter) until every rank holds its share
-        # of informative groups (0 < #correct < G) or --max-gen-batches rounds ran. The ranks agree on the smallest
-        # count, since DDP needs the same number of micro-batches everywhere; the surplus is dropped, as in verl.
+        # ALGO LOGIC: dynamic sampling (§3.2, Algorithm 1), the rollout: rounds of --gen-prompts-per-round prompts until
+        # every rank holds its share of informative groups (0 < #correct < G) or --max-gen-batches rounds ran; the
+        # ranks keep the smallest count (DDP needs equal micro-batch counts everywhere) and drop the surplus, as verl.
         device, share = accelerator.device, args.prompts_per_step // world
         prompts, rows, completions, correct, kept, reward_info, t_gen, t_reward = [], [], [], [], [], {}, 0.0, 0.0
         for gen_round in range(args.max_gen_batches):  # noqa: B007 (read after the loop: train/gen_rounds)
             idx = step_indices(  # DATA: --prompt-sampling's draw (curriculum: at the step's progress, every round)
-                data_round, len(train_prompts), gen_prompts // world, args.seed, rank, world, data.draw(step)
+                data.rounds, len(train_prompts), gen_prompts // world, args.seed, rank, world, data.draw(step)
             )
-            data_round += 1
+            data.rounds += 1  # the data stream's position: generation rounds drawn so far (checkpointed)
             t1 = time.time()
             outs = sampler.generate(
                 [train_prompts[i] for i in idx], args.group_size, args.temperature, args.top_p, args.max_new_tokens
@@ -622,13 +615,12 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages (per group, so computing them over every generated group changes nothing)
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # ALGO LOGIC: the training batch is the kept groups. With none after the last round, one group with A = 0
-        # stands in and the update is skipped (train/no_signal = 1, train/train_groups = 0). At the cap with fewer
-        # groups, mini-batches keep at least their full-batch size (fewer optimizer steps).
+        # ALGO LOGIC: the training batch is the kept groups (none: one group with A = 0 stands in and the update is
+        # skipped, train/no_signal = 1); with fewer, mini-batches keep at least their size (fewer optimizer steps)
         keep = kept or [0]
         sel = [k * args.group_size + j for k in keep for j in range(args.group_size)]
-        # DATA: --gt-injection and --replay change the kept groups trained on (then their advantages); correct,
-        # lengths, rewards and texts stay the policy's own samples, which the tracker and the metrics describe
+        # DATA: what is trained on, `train`: these groups, or with --gt-injection / --replay some replaced (then their
+        # advantages too); correct, lengths, rewards and texts stay the policy's own samples, which the metrics describe
         train = train_groups(data, rows, prompts, completions, correct.tolist(), train_golds, accelerator, step, keep)
         advantages = advantages[sel]
         if train.changed:
@@ -723,32 +715,12 @@ def main(args: Args) -> None:
         )
         stopping = accelerator.reduce(torch.tensor([float(bool(stop))], device=device), "sum").item() > 0
         if stopping or (args.save_every > 0 and (step + 1) % args.save_every == 0 and step + 1 < args.total_steps):
-            save_checkpoint(
-                accelerator,
-                policy,
-                tokenizer,
-                sampler,
-                data,
-                run_dir,
-                step + 1,
-                args.keep_checkpoints,
-                data_round=data_round,
-            )
+            save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, step + 1, args.keep_checkpoints)
         if stopping:
             accelerator.print(f"stopped by signal after step {step + 1}; resume with --resume {run_dir}")
             return close_run(accelerator, writer)
 
-    save_checkpoint(
-        accelerator,
-        policy,
-        tokenizer,
-        sampler,
-        data,
-        run_dir,
-        args.total_steps,
-        args.keep_checkpoints,
-        data_round=data_round,
-    )
+    save_checkpoint(accelerator, policy, tokenizer, sampler, data, run_dir, args.total_steps, args.keep_checkpoints)
     accelerator.print(f"done: {run_dir}")
     close_run(accelerator, writer)
 

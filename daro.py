@@ -31,21 +31,18 @@ mass, which adds the two parts instead of subtracting them and sets how hard the
     mini-batch, and is then clamped to [ln w_min, ln w_max]. The optimum is w_mu = 1/M_mu, i.e. every bucket's
     weighted advantage mass w_mu M_mu is the same (1). With SGD, near the optimum this is an exponential moving
     average of ln(1/M_mu) at rate lr.
-  - --daro-w-target loss fits w to the write-up's literal w_mu L_mu = 1, with L_mu at the rollout policy (r = 1,
-    the policy step's rollout-correction weight included, for which pi_old is computed even with one update per
-    rollout) floored at --daro-loss-floor x M_mu, so -ln w_mu stays bounded (docs/algorithms.md "DARO's weights").
-  - Step size: at the converged weights the policy step is ~(buckets present) / (token mean of |A|), ~10x, the
+  - --daro-w-target loss fits w to the write-up's literal w_mu L_mu = 1, L_mu at the rollout policy (r = 1) floored
+    at --daro-loss-floor x M_mu so -ln w_mu stays bounded. At converged weights the policy step is ~10x the
     token-mean baseline's (train/daro_weighted_mass / train/daro_mass); --daro-w-normalize, an ablation, scales the
-    weights the policy step uses to mean 1 over the present buckets (docs/algorithms.md "DARO's weights").
+    policy step's weights to mean 1 (docs/algorithms.md "DARO's weights" on both).
   - M_mu and the bucket counts are all-reduced over ranks (every rank holds the same w); w starts at 1 and is
     checkpointed with its optimizer. The reported loss is the whole L_DARO (-ln w_mu spread over mu's sequences).
 
 Defaults. From the write-up: token-mean base loss (W eq. 2, after LitePPO), no KL, a symmetric clip eps (W eq. 2's
-f), mu = 0, 1 excluded (W eq. 4), 128 prompts per step for 500 steps (its worked example). Our choices: G = 8;
-Qwen2.5-Math-1.5B, one of the paper's three models per its abstract; MATH (the write-up's 45k-prompt set is not
-named); lr 1e-6, eps = 0.2, max length 1024; one update per rollout; w starting at 1; the w optimizer SGD with lr
-0.1; bounds [1e-3, 1e3]. As in grpo.py: std unbiased, eps_std = 1e-6, a zero-variance group gets A = 0, the verifier
-reads --reward-format auto, --rollout-correction (TRL / verl; on with vLLM) weights each token's term before the sums.
+f), mu = 0, 1 excluded (W eq. 4), 128 prompts per step (its worked example). Our choices: G = 8; Qwen2.5-Math-1.5B
+(one of the paper's three models); MATH (the write-up's 45k-prompt set is not named); lr 1e-6, eps = 0.2, max length
+1024; one update per rollout; w from 1, SGD with lr 0.1, bounds [1e-3, 1e3]. As in grpo.py: std unbiased, eps_std =
+1e-6, the verifier's --reward-format auto, --rollout-correction (on with vLLM) weights each token's term.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # see README "Quickstart" for a CPU run
@@ -84,7 +81,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -395,11 +391,14 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DARO loss (W eq. 4): sum_mu (w_mu L_mu - ln w_mu), L_mu = 1/L sum_{i in mu} sum_t -min(r A, clip(r) A).
 
-    logps, old_logps, mask: [B, T]; advantages: [B]. bucket: [B] each sequence's c = #correct in its group (default:
-    bucket_from_advantages, which needs whole groups); weights: [G+1] w_mu, constants here (default 1); bucket_seqs:
-    [G+1] sequences per bucket in the mini-batch (default: this batch's). num_tokens / num_seqs: the mini-batch's
-    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the batch's
-    own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too.
+    bucket: [B] each sequence's c = #correct in its group (default: bucket_from_advantages, which needs whole
+    groups); weights: [G+1] w_mu, constants here (default 1); bucket_seqs: [G+1] sequences per bucket in the
+    mini-batch (default: this batch's)."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -411,9 +410,8 @@ def compute_policy_loss(
     bucket = bucket_from_advantages(advantages, args) if bucket is None else bucket
     w = (torch.ones(args.group_size + 1) if weights is None else weights).to(per_token)
     onehot = bucket_onehot(bucket, args.group_size).to(per_token)
-    denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     # L_mu: bucket mu's share of the token-mean loss (W eq. 2)
-    bucket_loss = onehot.T @ (per_token * mask).sum(-1) / denom
+    bucket_loss = onehot.T @ (per_token * mask).sum(-1) / num_tokens
     seqs = onehot.sum(0) if bucket_seqs is None else bucket_seqs.to(per_token)
     if args.daro_w_normalize:  # ablation (our choice): mean 1 over the buckets present (mu = 0, 1 never count)
         present = seqs > 0
@@ -423,12 +421,12 @@ def compute_policy_loss(
     weighted = (w * bucket_loss).sum()
     loss = weighted + (onehot @ neg_log_w).sum()  # W eq. 4
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = weighted.detach()
         stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
         stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
-        mass, share = bucket_mass(advantages, bucket, mask, args, num_tokens)[0], mask.sum().to(w) / denom
+        mass, share = bucket_mass(advantages, bucket, mask, args, num_tokens)[0], mask.sum().to(w) / num_tokens
         stats["daro_mass"], stats["daro_weighted_mass"] = mass.sum(), (w.double() * mass).sum()  # ratio: the step scale
         # per bucket, named by mu: L_mu, M_mu and w_mu (as a token mean of a constant)
         for c in range(1, args.group_size):
@@ -481,7 +479,7 @@ def update_policy(
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
@@ -520,11 +518,8 @@ def main(args: Args) -> None:
     args.reward_format = answer_format_for(args.prompt_template, args.reward_format)  # auto: the template's format
     if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own: nothing to correct
         args.rollout_correction = "none" if sampler_kind == "hf" else "token-truncate"
-    if not 0 < args.daro_loss_floor <= 1:
-        raise SystemExit(f"--daro-loss-floor must be in (0, 1] (a fraction of M_mu), got {args.daro_loss_floor}")
-    if not (0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
-        got = f"got {args.daro_w_min}, {args.daro_w_max}, {args.daro_w_lr}"
-        raise SystemExit(f"--daro-w-min/--daro-w-max/--daro-w-lr: need 0 < w_min <= w_max and lr > 0, {got}")
+    if not (0 < args.daro_loss_floor <= 1 and 0 < args.daro_w_min <= args.daro_w_max and args.daro_w_lr > 0):
+        raise SystemExit("need 0 < --daro-loss-floor <= 1, 0 < --daro-w-min <= --daro-w-max and --daro-w-lr > 0")
     mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = not torch.cuda.is_available(), os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"

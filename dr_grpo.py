@@ -32,8 +32,7 @@ plain split: export it to .jsonl/.parquet and pass --dataset-name. Prompts are c
 From the official code, not the paper: a truncated completion (cut off at --max-new-tokens) gets reward 0 even if
 its text holds the right answer (train_zero_math.py; there it applies to GRPO too, here only to dr_grpo.py), and the
 verifier reads the answer from the last \\boxed{} (math_grader.boxed_reward_fn; --reward-format auto with qwen-boxed).
-Not reproduced: oat's Adam betas (0.9, 0.95) and its truncated-importance-sampling correction (newer oat, not
-Dr. GRPO; --rollout-correction token-truncate is the same idea).
+Not reproduced: oat's Adam betas (0.9, 0.95) and its truncated IS correction (newer oat, not Dr. GRPO).
 Not from the paper: --rollout-correction (TRL / verl; on by default with vLLM).
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
@@ -72,7 +71,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -151,7 +149,7 @@ class Args:
     prompts_per_step: int = 128
     """prompts per training step, over all ranks (so group_size * prompts_per_step completions)"""
     max_new_tokens: int = 3000
-    """generation budget per completion; also L_max, the constant denominator of the loss"""
+    """generation budget per completion"""
     temperature: float = 1.0
     """sampling temperature (also applied to the trainer's logits, so log-probs match the sampler)"""
     top_p: float = 1.0
@@ -290,9 +288,11 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dr. GRPO loss (§3.2, Listing 1): -1/(N L_max) sum_i sum_t min(r A, clip(r) A), L_max = args.max_new_tokens.
 
-    logps, old_logps, mask: [B, T]; advantages: [B]; ref_logps is unused (no KL). num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by
-    default the batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -301,10 +301,9 @@ def compute_policy_loss(
         old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
     )
     per_token = -surrogate * rc_weight
-    # Listing 1: sum over each sequence's tokens / MAX_TOKENS (a constant, not |o_i|), then the mean over sequences
-    loss = masked_aggregate(per_token, mask, "seq-mean-token-sum-norm", num_seqs=num_seqs, max_len=args.max_new_tokens)
+    loss = (per_token * mask).sum() / (num_seqs * args.max_new_tokens)  # Listing 1: / MAX_TOKENS, not / |o_i|
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = loss.detach()
         stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
@@ -343,7 +342,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
@@ -493,7 +492,7 @@ def main(args: Args) -> None:
             gradient_clipping=args.max_grad_norm,
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    ref_policy = None  # no KL term (§3, beta = 0): no reference model
+    ref_policy = None
     start_step = 0
     if args.resume:
         last = complete_checkpoints(run_dir)[-1]

@@ -56,7 +56,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -276,6 +275,8 @@ def compute_policy_loss(
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
     normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
     batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -288,10 +289,10 @@ def compute_policy_loss(
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1  # k3 estimator of KL(pi || pi_ref), R1 eq. 2
         per_token = per_token + args.beta * kl
-        stats["kl_ref"] = masked_aggregate(kl.detach(), mask, "token-mean", num_tokens=num_tokens)
-    loss = masked_aggregate(per_token, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+        stats["kl_ref"] = (kl.detach() * mask).sum() / num_tokens
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs  # 1/G sum_i 1/|o_i| sum_t
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = loss.detach()
         stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
@@ -330,7 +331,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())

@@ -61,7 +61,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -276,10 +275,12 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token loss (GSPO eq. 13-14): -1/G sum_i 1/|y_i| sum_t min(s_it A, clip(s_it) A), s_it = sg[s_i] pi/sg[pi].
 
-    logps, old_logps, mask: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's normalisers when
-    this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the batch's own. Stats
-    are token means (seq_clip_frac: a sequence mean) over the same mini-batch, so they add up over micro-batches.
-    ref_logps is unused (GSPO has no KL term)."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too. seq_clip_frac
+    is a sequence mean."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     m = mask.to(log_ratio.dtype)
     seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # log s_i: mean token log-ratio, eq. 7
@@ -291,10 +292,10 @@ def compute_policy_loss(
         old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
     )
     per_token = -surrogate * rc_weight
-    loss = masked_aggregate(per_token, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs  # 1/G sum_i 1/|o_i| sum_t
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
-        seq_mean = lambda x: masked_aggregate(x.float(), mask, "seq-mean-token-mean", num_seqs=num_seqs)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
+        seq_mean = lambda x: ((x.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs  # noqa: E731
         # whole sequences: s_i is the same on all their tokens
         clipped_low = (ratio < 1 - args.clip_eps_low) & (adv < 0)
         clipped_high = (ratio > 1 + args.clip_eps_high) & (adv > 0)
@@ -337,7 +338,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())

@@ -23,8 +23,8 @@ are on the Base models; 4B is our choice of the two), 128 prompts x 8 responses 
 top_p 0.99 (the paper's top_k 100 is not exposed by the sampler), clip 0.2, no KL; eps = 1e-6 as in ROLL.
 Choices the paper leaves open: the training set is zwhe99/DeepMath-103K (the source of the paper's Medium and
 Hard 5k sets, which are not released); the Qwen-Math "\\boxed{}" prompt; the batch std is the unbiased std of
-the rewards gathered from every rank, as ROLL and TRL (torch.std). A batch whose rewards are all equal gets
-A = 0. TRL's reading of the paper's batch sizes is 8 optimizer steps per rollout (--num-mini-batches 8).
+the rewards gathered from every rank, as ROLL and TRL (torch.std). TRL reads the batch sizes as 8 optimizer steps
+per rollout (--num-mini-batches 8).
 Not from the paper: the \\boxed{} verifier of the qwen-boxed template (--reward-format auto), and
 --rollout-correction (TRL / verl; on by default with vLLM; with top_p 0.99 its weights sit slightly below 1, see
 docs/algorithms.md "Rollout correction").
@@ -65,7 +65,6 @@ from common.loss import (
     compute_logps,
     cut,
     grad_normalizers,
-    masked_aggregate,
     micro_batches,
     pad_batch,
     pad_logprobs,
@@ -255,7 +254,7 @@ class Args:
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
-    """LitePPO's rule-based outcome reward: 1 for a verified answer, 0 otherwise."""
+    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise."""
     return correct.float()
 
 
@@ -287,9 +286,11 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """LitePPO loss: -1/sum_i |o_i| sum_i sum_t min(r A, clip(r) A), vanilla PPO clip with a token-level mean.
 
-    logps, old_logps, mask: [B, T]; advantages: [B]; ref_logps is unused (no KL). num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by
-    default the batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the mini-batch's
+    normalisers when this batch is one micro-batch of it (see common.loss.grad_normalizers); by default the
+    batch's own. Stats are token means over the same mini-batch, so they add up over micro-batches too."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens  # default: the batch is the mini-batch
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
@@ -298,10 +299,9 @@ def compute_policy_loss(
         old_logps, rollout_logps, mask, args.rollout_correction, args.rollout_correction_cap, num_tokens
     )
     per_token = -surrogate * rc_weight
-    # token-level loss: every token weighs the same
-    loss = masked_aggregate(per_token, mask, "token-mean", num_tokens=num_tokens)
+    loss = (per_token * mask).sum() / num_tokens  # token-level, 1/sum_i |o_i| sum_i sum_t: every token weighs the same
     with torch.no_grad():
-        token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+        token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
         stats["policy_loss"] = loss.detach()
         stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
         stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
@@ -340,7 +340,7 @@ def update_policy(policy, optimizer, scheduler, accelerator, batch: dict, args: 
                         logps, old, m["advantages"], m["mask"], args, num_tokens=num_tokens, num_seqs=num_seqs, **extra
                     )
                     accelerator.backward(loss)
-                stats["entropy"] = masked_aggregate(entropy, m["mask"], "token-mean", num_tokens=num_tokens)
+                stats["entropy"] = (entropy * m["mask"]).sum() / num_tokens
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # canary: the sampler's weights are the trainer's
                     sampled = m["mask"] * m["sampler_logps"].isfinite()  # not the injected or replayed rows (NaN)
                     canary.append(((logps.detach() - m["sampler_logps"]).abs().nan_to_num(nan=0.0) * sampled).flatten())
@@ -490,7 +490,7 @@ def main(args: Args) -> None:
             gradient_clipping=args.max_grad_norm,
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    ref_policy = None  # no KL term: no reference model
+    ref_policy = None
     start_step = 0
     if args.resume:
         last = complete_checkpoints(run_dir)[-1]

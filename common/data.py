@@ -326,6 +326,7 @@ class DataStrategies:
     replay: bool = False
     replay_max_age: int = 10
     demos: dict[int, Completion | None] = field(default_factory=dict)  # verified demonstrations, built lazily
+    rounds: int = 0  # generation rounds drawn from the data stream so far (dapo.py, cispo.py: dynamic sampling)
 
     def draw(self, step: int) -> np.ndarray | None:
         """--prompt-sampling's draw probabilities for `step` (curriculum: at step / total_steps); None: uniform."""
@@ -569,11 +570,12 @@ def data_metrics(train: TrainGroups, data: DataStrategies, accelerator) -> dict[
 
 
 def data_state(data: DataStrategies, buffers: list[dict[str, Any]]) -> dict[str, Any]:
-    """What trainer.json keeps: the tracker (identical on all ranks) and every rank's buffer."""
-    return {"tracker": data.tracker.state_dict(), "buffers": buffers}
+    """What trainer.json keeps: the tracker (identical on all ranks), every rank's buffer and the round counter."""
+    return {"tracker": data.tracker.state_dict(), "buffers": buffers, "rounds": data.rounds}
 
 
 def load_data_state(data: DataStrategies, state: dict[str, Any] | None, rank: int) -> None:
     if state is not None:  # checkpoints written before the data strategies have none
         data.tracker.load_state_dict(state["tracker"])
         data.buffer.load_state_dict(state["buffers"][rank])
+        data.rounds = state.get("rounds", 0)

@@ -1,7 +1,7 @@
-"""Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, and masked
-token-level aggregation with global normalisers.
+"""Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, and the global normalisers
+of a mini-batch's loss.
 
-Nothing here is specific to one algorithm: the scripts decide *which* aggregation they use. Also here: the
+Nothing here is specific to one algorithm: each script writes its own aggregation. Also here: the
 rollout correction's weight (docs/design.md), which each script's compute_policy_loss multiplies into its policy term,
 and the batching of a rollout into padded tensors and token-budget micro-batches.
 
@@ -15,10 +15,11 @@ never holds more than a tile of logits; the backward is the same chunked recompu
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
 drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
 
-Aggregation. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
+Normalisers. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
 micro-batches and across ranks, the normaliser must be the whole mini-batch's, or the gradient is
-re-weighted per micro-batch (the classic "per-micro-batch token-mean" bug). `grad_normalizers` computes it
-once per mini-batch with one all-reduce; `masked_aggregate` uses it. No function here reads a tensor value on
+re-weighted per micro-batch (the classic "per-micro-batch token-mean" bug). `grad_normalizers` computes the token
+and sequence counts once per mini-batch with one all-reduce; each script's compute_policy_loss divides by them.
+No function here reads a tensor value on
 the host, so none of them syncs with the device inside a micro-batch loop.
 """
 
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "sum")
 KERNELS = ("torch", "triton")
 
 
@@ -191,46 +191,6 @@ def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     return counts[0], counts[1]
 
 
-def masked_aggregate(
-    values: Tensor,
-    mask: Tensor,
-    mode: str,
-    *,
-    num_tokens: Tensor | float | None = None,
-    num_seqs: Tensor | float | None = None,
-    max_len: int | None = None,
-) -> Tensor:
-    """Aggregates per-token `values` [B, T] over `mask` [B, T] into a scalar.
-
-    mode:
-      - "token-mean": sum of all tokens / number of tokens (DAPO).
-      - "seq-mean-token-mean": each sequence's token mean, then the mean over sequences (GRPO).
-      - "seq-mean-token-sum-norm": sum of all tokens / (number of sequences * max_len), a constant (Dr. GRPO).
-      - "sum": sum of all tokens / num_tokens (num_tokens is then any explicit normaliser, required).
-    num_tokens / num_seqs: the normalisers of the whole mini-batch (see `grad_normalizers`). When None the
-    local batch's own counts are used, so one call on a whole mini-batch returns its exact loss; when given,
-    the sum over micro-batches of the returned values equals the whole mini-batch's value.
-    """
-    mask = mask.to(values.dtype)
-    if mode == "token-mean":
-        denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-        return (values * mask).sum() / denom
-    if mode == "seq-mean-token-mean":
-        denom = values.shape[0] if num_seqs is None else num_seqs
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.sum() / denom
-    if mode == "seq-mean-token-sum-norm":
-        if max_len is None:
-            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget)")
-        denom = values.shape[0] if num_seqs is None else num_seqs
-        return (values * mask).sum() / (denom * max_len)
-    if mode == "sum":
-        if num_tokens is None:
-            raise ValueError("mode 'sum' needs an explicit normaliser (num_tokens)")
-        return (values * mask).sum() / num_tokens
-    raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
-
-
 def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, num_tokens=None):
     """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
     term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (mode token-*) or exp(the sum of that
@@ -252,7 +212,8 @@ def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, nu
     weight = torch.exp(log_w.clamp(max=log_cap))
     if mode.endswith("mask"):
         weight = torch.where(over, 0.0, weight)
-    token_mean = lambda x: masked_aggregate(x.float(), mask, "token-mean", num_tokens=num_tokens)  # noqa: E731
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
     stats = {
         "rollout_corr_weight_mean": token_mean(weight),
         "rollout_corr_capped_frac": token_mean(over),

@@ -1,14 +1,15 @@
-"""common/loss.py: chunked log-probs against full log-softmax, aggregation against loops, and the global
-normaliser across micro-batches."""
+"""common/loss.py: chunked log-probs against full log-softmax, and the global normalisers across micro-batches."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
-from common.loss import TokenLogProbs, chunked_logprobs, grad_normalizers, masked_aggregate
+from common.loss import TokenLogProbs, chunked_logprobs, grad_normalizers
+from tests.checks import assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, logprob_error_bounds
-from tests.reference import aggregate
 
 
 def naive(hidden, weight, targets, temperature):
@@ -80,45 +81,28 @@ def random_batch(seed, b=6, t=5):
     return values, mask
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_masked_aggregate_matches_loops(mode):
-    values, mask = random_batch(3)
-    got = masked_aggregate(values, mask, mode, max_len=5)
-    assert abs(got.item() - aggregate(values.tolist(), mask.tolist(), mode, max_len=5)) < 1e-12
-
-
-def test_modes_differ_on_unequal_lengths():
-    """The test batches above would not tell the modes apart if all lengths were equal."""
-    values, mask = random_batch(3)
-    a = masked_aggregate(values, mask, "token-mean")
-    b = masked_aggregate(values, mask, "seq-mean-token-mean")
-    assert abs(a - b) > 1e-3
-
-
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_with_global_normaliser_give_the_whole_batch_gradient(mode):
-    values, mask = random_batch(4, b=8, t=6)
-    values.requires_grad_(True)
-    (whole,) = torch.autograd.grad(masked_aggregate(values, mask, mode, max_len=6), values)
-    chunks = [slice(0, 3), slice(3, 5), slice(5, 8)]
-    num_tokens, num_seqs = grad_normalizers([mask[c] for c in chunks])
+def test_grad_normalizers_are_the_whole_mini_batch_counts():
+    _, mask = random_batch(4, b=8, t=6)
+    num_tokens, num_seqs = grad_normalizers([mask[c] for c in (slice(0, 3), slice(3, 5), slice(5, 8))])
     assert num_tokens.item() == mask.sum().item() and num_seqs.item() == 8
-    total = sum(
-        masked_aggregate(values[c], mask[c], mode, num_tokens=num_tokens, num_seqs=num_seqs, max_len=6) for c in chunks
-    )
-    (split,) = torch.autograd.grad(total, values)
-    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
-    # ...while normalising each micro-batch by its own counts is a different (wrong) gradient
-    local = sum(masked_aggregate(values[c], mask[c], mode, max_len=6) for c in chunks) / len(chunks)
-    (wrong,) = torch.autograd.grad(local, values)
+
+
+@pytest.mark.parametrize("script", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_need_the_mini_batch_normalisers(script):
+    """The three aggregations (GRPO's per-sequence token mean, DAPO's token mean, Dr. GRPO's constant): summed over
+    micro-batches that get the mini-batch's normalisers, the loss has the whole mini-batch's gradient; normalising
+    each micro-batch by its own counts instead re-weights the tokens (the per-micro-batch token-mean bug)."""
+    mod = importlib.import_module(script)
+    args = mod.Args(beta=0.0, max_new_tokens=6) if script == "grpo" else mod.Args(max_new_tokens=6)
+    logps, mask = random_batch(4, b=8, t=6)
+    old = logps + 0.1 * random_batch(5, b=8, t=6)[0]
+    adv = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    chunks = [slice(0, 3), slice(3, 5), slice(5, 8)]
+    loss, _ = assert_micro_batches_add_up(mod.compute_policy_loss, logps, old, adv, mask, args, chunks=chunks)
+    logps.requires_grad_(True)
+    (whole,) = torch.autograd.grad(mod.compute_policy_loss(logps, old, adv, mask, args)[0], logps)
+    local = sum(mod.compute_policy_loss(logps[c], old[c], adv[c], mask[c], args)[0] for c in chunks) / len(chunks)
+    (wrong,) = torch.autograd.grad(local, logps)
     assert (wrong - whole).abs().max() > 1e-4
-
-
-def test_masked_aggregate_errors():
-    values, mask = random_batch(0)
-    with pytest.raises(ValueError, match="unknown aggregation"):
-        masked_aggregate(values, mask, "bogus")
-    with pytest.raises(ValueError, match="max_len"):
-        masked_aggregate(values, mask, "seq-mean-token-sum-norm")
-    with pytest.raises(ValueError, match="normaliser"):
-        masked_aggregate(values, mask, "sum")
+    if script == "grpo":  # the batch tells the aggregations apart (unequal lengths)
+        assert abs(loss - importlib.import_module("dapo").compute_policy_loss(logps, old, adv, mask, args)[0]) > 1e-3

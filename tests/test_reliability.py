@@ -13,7 +13,9 @@ script as a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import importlib
 import json
 import math
 import os
@@ -382,6 +384,26 @@ def test_existing_run_directory_without_resume(toy_assets, tmp_path, monkeypatch
     monkeypatch.setattr(run, "time", types.SimpleNamespace(time=lambda: 1234567.25))  # the run's timestamp
     expect_exit(make_args(toy_assets, out, exp_name="x"), "--output-dir", "already exists", "--resume")
     assert os.listdir(out) == ["x__1__1234567"] and os.listdir(taken) == []
+
+
+@pytest.mark.parametrize(
+    "script,kw,flag",
+    [
+        ("dapo", {"max_gen_batches": 0}, "--max-gen-batches"),
+        ("cispo", {"eps_max": 0.0}, "--eps-max"),
+        ("daro", {"daro_w_min": 2.0, "daro_w_max": 1.0}, "--daro-w-min"),
+        ("daro", {"daro_loss_floor": 0.0}, "--daro-loss-floor"),
+    ],
+)
+def test_an_algorithms_own_flags_out_of_range_stop_with_one_line(script, kw, flag, toy_assets, tmp_path):
+    """The flags a script adds to grpo.py's are checked before anything is written, in one line naming them."""
+    mod, out = importlib.import_module(script), tmp_path / "out"
+    tiny = {k: v for k, v in TINY.items() if k != "beta"}
+    args = mod.Args(model_name_or_path=toy_assets["model"], dataset_name=toy_assets["train"], output_dir=str(out))
+    with pytest.raises(SystemExit) as e:
+        mod.main(dataclasses.replace(args, **tiny, **kw))
+    assert isinstance(e.value.code, str) and flag in e.value.code and "\n" not in e.value.code, e.value.code
+    assert not out.exists()
 
 
 def test_output_dir_under_a_regular_file(toy_assets, tmp_path):
