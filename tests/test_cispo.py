@@ -13,7 +13,7 @@ import torch
 
 import cispo
 import grpo
-from tests.checks import assert_micro_batches_add_up
+from tests.checks import assert_grad_matches_finite_differences, assert_micro_batches_add_up
 from tests.reference import aggregate, group_advantages
 
 
@@ -81,13 +81,12 @@ def test_policy_loss_value_and_gradient_match_reference(kw):
     assert abs(loss.item() - brute_loss(lp, lp, o, a, m, cap, floor)) < 1e-12
     (grad,) = torch.autograd.grad(loss, logps)
     num_tokens = int(mask.sum())
-    eps = 1e-6
+    nonzero = assert_grad_matches_finite_differences(
+        grad, lambda bumped: brute_loss(bumped.tolist(), lp, o, a, m, cap, floor), logps
+    )
+    assert nonzero > 10
     for i in range(len(lp)):
         for t in range(len(lp[0])):
-            bumped = [row[:] for row in lp]
-            bumped[i][t] += eps
-            fd = (brute_loss(bumped, lp, o, a, m, cap, floor) - brute_loss(lp, lp, o, a, m, cap, floor)) / eps
-            assert abs(grad[i, t].item() - fd) < 1e-6 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
             if m[i][t]:  # the closed form: -w A / num_tokens
                 want = -is_weight(lp[i][t], o[i][t], cap, floor) * a[i] / num_tokens
                 assert grad[i, t].item() == pytest.approx(want, rel=1e-12, abs=1e-15)

@@ -13,7 +13,7 @@ import torch
 
 import dapo
 import grpo
-from tests.checks import assert_micro_batches_add_up
+from tests.checks import assert_grad_matches_finite_differences, assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, gamma, group_advantage_bound
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
@@ -207,14 +207,8 @@ def test_policy_loss_value_and_gradient_match_reference():
     loss, stats = dapo.compute_policy_loss(logps, old, adv, mask, args)
     assert abs(loss.item() - brute_loss(logps.detach(), old, adv, mask, args)) < 1e-12
     (grad,) = torch.autograd.grad(loss, logps)
-    eps = 1e-6
-    for i, t in [(4, 0), (5, 1), (5, 5), (8, 2), (11, 0), (6, 3), (7, 0)]:
-        if not mask[i, t]:
-            continue
-        bumped = logps.detach().clone()
-        bumped[i, t] += eps
-        fd = (brute_loss(bumped, old, adv, mask, args) - brute_loss(logps.detach(), old, adv, mask, args)) / eps
-        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
+    nonzero = assert_grad_matches_finite_differences(grad, lambda lp: brute_loss(lp, old, adv, mask, args), logps)
+    assert nonzero > 10
     assert (grad[mask == 0] == 0).all()
     assert (grad[:4] == 0).all()  # the all-correct group has A = 0
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import daro
-from tests.checks import SingleProcess, TablePolicy, stat_sum_bound
+from tests.checks import SingleProcess, TablePolicy, assert_grad_matches_finite_differences, stat_sum_bound
 from tests.fp_bounds import unit_roundoff
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
@@ -120,12 +120,7 @@ def test_policy_loss_value_and_gradient_match_reference(weights):
 
     assert abs(loss.item() - brute(logps.detach())) < 1e-10
     (grad,) = torch.autograd.grad(loss, logps)
-    eps = 1e-6
-    for i, t in [(8, 0), (9, 1), (12, 2), (15, 0), (17, 3), (21, 0), (22, 1)]:
-        bumped = logps.detach().clone()
-        bumped[i, t] += eps
-        fd = (brute(bumped) - brute(logps.detach())) / eps
-        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
+    assert assert_grad_matches_finite_differences(grad, brute, logps) > 10
     assert (grad[mask == 0] == 0).all()
     assert (grad[:8] == 0).all()  # mu = 1 and mu = 0 groups: no loss, no gradient
     for k, v in stats.items():

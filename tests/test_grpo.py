@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import grpo
-from tests.checks import SingleProcess, TablePolicy, assert_micro_batches_add_up
+from tests.checks import SingleProcess, TablePolicy, assert_grad_matches_finite_differences, assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, group_advantage_bound
 from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
 
@@ -71,15 +71,8 @@ def test_policy_loss_value_and_gradient_match_reference(beta):
     loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args, ref_logps=ref)
     assert abs(loss.item() - brute_loss(logps.detach(), old, adv, mask, args, ref)) < 1e-10
     (grad,) = torch.autograd.grad(loss, logps)
-    # finite differences of the brute-force loss, token by token
-    eps = 1e-6
-    for i, t in [(4, 0), (5, 1), (8, 2), (11, 0), (6, 3)]:
-        bumped = logps.detach().clone()
-        bumped[i, t] += eps
-        fd = (
-            brute_loss(bumped, old, adv, mask, args, ref) - brute_loss(logps.detach(), old, adv, mask, args, ref)
-        ) / eps
-        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
+    nonzero = assert_grad_matches_finite_differences(grad, lambda lp: brute_loss(lp, old, adv, mask, args, ref), logps)
+    assert nonzero > 10
     assert (grad[mask == 0] == 0).all()
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):
         assert stats[k].dim() == 0

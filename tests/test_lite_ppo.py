@@ -12,7 +12,7 @@ import torch
 
 import grpo
 import lite_ppo
-from tests.checks import assert_micro_batches_add_up, launch_cmd
+from tests.checks import assert_grad_matches_finite_differences, assert_micro_batches_add_up, launch_cmd
 from tests.reference import ppo_clip_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,12 +109,8 @@ def test_policy_loss_value_and_gradient_match_reference():
     loss, stats = lite_ppo.compute_policy_loss(logps, old, adv, mask, args)
     assert abs(loss.item() - brute_loss(logps.detach(), old, adv, mask, args)) < 1e-12
     (grad,) = torch.autograd.grad(loss, logps)
-    eps = 1e-6
-    for i, t in [(4, 0), (5, 1), (8, 2), (11, 0), (6, 3), (9, 1)]:
-        bumped = logps.detach().clone()
-        bumped[i, t] += eps
-        fd = (brute_loss(bumped, old, adv, mask, args) - brute_loss(logps.detach(), old, adv, mask, args)) / eps
-        assert abs(grad[i, t].item() - fd) < 1e-6 * max(1.0, abs(fd)) + 1e-9, (i, t, grad[i, t].item(), fd)
+    nonzero = assert_grad_matches_finite_differences(grad, lambda lp: brute_loss(lp, old, adv, mask, args), logps)
+    assert nonzero > 10
     assert (grad[mask == 0] == 0).all()
     assert "kl_ref" not in stats
     for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):
