@@ -15,6 +15,7 @@ from common.loss import grad_normalizers
 from tests.fp_bounds import gamma
 
 MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
+PPO_CLIP_STATS = ("clip_frac_low", "clip_frac_high", "approx_kl")  # the token means every PPO-clip loss reports
 
 
 def free_port() -> int:
@@ -79,6 +80,33 @@ def assert_micro_batches_add_up(
         bound = stat_sum_bound(stats[k], int(mask.sum()), len(chunks))
         assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= bound, k
     return loss, stats
+
+
+def assert_loss_matches_reference(
+    compute_policy_loss,
+    reference_loss,
+    logps,
+    old,
+    adv,
+    mask,
+    args,
+    stat_keys=(*PPO_CLIP_STATS, "policy_loss"),
+    loss_atol=1e-12,
+    min_nonzero=10,
+    **kwargs,
+):
+    """A script's `compute_policy_loss` against its float64 brute-force `reference_loss` (log-probs [B, T] ->
+    float): the value within `loss_atol`, the gradient by finite differences at every position (at least
+    `min_nonzero` of them nonzero, so that the check is not vacuous), exactly 0 on padding; the stats include
+    `stat_keys` and are all scalars. `kwargs` go to compute_policy_loss. Returns (gradient, stats)."""
+    logps = logps.detach().requires_grad_(True)
+    loss, stats = compute_policy_loss(logps, old, adv, mask, args, **kwargs)
+    assert abs(loss.item() - reference_loss(logps.detach())) < loss_atol
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert assert_grad_matches_finite_differences(grad, reference_loss, logps) >= min_nonzero
+    assert (grad[mask == 0] == 0).all()
+    assert set(stat_keys) <= set(stats) and all(v.dim() == 0 for v in stats.values()), sorted(stats)
+    return grad, stats
 
 
 def assert_grad_matches_finite_differences(grad, reference_loss, logps, eps=1e-6, rtol=1e-6) -> int:
