@@ -82,6 +82,22 @@ def assert_micro_batches_add_up(
     return loss, stats
 
 
+def on_policy_pair():
+    """Two answers of 1 and 4 tokens at r = 1 (log-probs 0, old ones equal) with A = +1 and -1: the gradient shows how
+    an aggregation weighs a token of a short and of a long answer. Returns (logps [2, 4] requiring grad, mask, adv)."""
+    logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    return logps, torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]), torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+
+def clip_probe():
+    """Two answers of two tokens, old log-probs 0, ratios [[1.5, 1.1], [0.5, 0.9]], A = [+1, -1]: under a 0.2 clip the
+    first tokens are clipped (r = 1.5 with A > 0, r = 0.5 with A < 0), the second ones are inside the trust region.
+    Returns (logps requiring grad, old, adv, mask)."""
+    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    return logps, torch.zeros(2, 2, dtype=torch.float64), adv, torch.ones(2, 2)
+
+
 def assert_loss_matches_reference(
     compute_policy_loss,
     reference_loss,

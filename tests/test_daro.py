@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import daro
-from tests.checks import SingleProcess, TablePolicy, assert_loss_matches_reference, stat_sum_bound
+from tests.checks import SingleProcess, TablePolicy, assert_loss_matches_reference, clip_probe, stat_sum_bound
 from tests.fp_bounds import unit_roundoff
 from tests.reference import aggregate, group_advantages, ppo_clip_token
 
@@ -182,10 +182,7 @@ def test_all_correct_and_all_wrong_groups_get_no_weight_and_no_loss():
 
 def test_clipped_tokens_get_no_gradient_and_are_counted():
     args = make_args(group_size=2)
-    old = torch.zeros(2, 2, dtype=torch.float64)
-    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
-    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    mask = torch.ones(2, 2)
+    logps, old, adv, mask = clip_probe()
     loss, stats = daro.compute_policy_loss(logps, old, adv, mask, args, weights=torch.tensor([1.0, 3.0, 1.0]))
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad[0, 0] == 0 and grad[1, 0] == 0  # r=1.5 with A>0 and r=0.5 with A<0 are clipped

@@ -14,6 +14,8 @@ from tests.checks import (
     TablePolicy,
     assert_loss_matches_reference,
     assert_micro_batches_add_up,
+    clip_probe,
+    on_policy_pair,
 )
 from tests.fp_bounds import assert_within, group_advantage_bound
 from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
@@ -83,10 +85,7 @@ def test_policy_loss_value_and_gradient_match_reference(beta):
 
 def test_clipped_tokens_get_no_gradient_and_are_counted():
     args = make_args()
-    old = torch.zeros(2, 2, dtype=torch.float64)
-    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
-    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    mask = torch.ones(2, 2)
+    logps, old, adv, mask = clip_probe()
     loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args)
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad[0, 0] == 0 and grad[1, 0] == 0  # r=1.5 with A>0 and r=0.5 with A<0 are clipped
@@ -97,9 +96,7 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 def test_on_policy_gradient_is_advantage_weighted_sequence_mean():
     """At r = 1 the gradient w.r.t. logp_it is -A_i / (G |o_i|): the per-sequence mean, not a token mean."""
     args = make_args(group_size=2)
-    logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
-    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    logps, mask, adv = on_policy_pair()
     loss, _ = grpo.compute_policy_loss(logps, logps.detach(), adv, mask, args)
     (grad,) = torch.autograd.grad(loss, logps)
     torch.testing.assert_close(grad[0, 0], torch.tensor(-0.5, dtype=torch.float64))
