@@ -13,6 +13,7 @@ import torch
 
 from common.loss import grad_normalizers
 from tests.fp_bounds import gamma
+from tests.reference import group_advantages
 
 MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
 PPO_CLIP_STATS = ("clip_frac_low", "clip_frac_high", "approx_kl")  # the token means every PPO-clip loss reports
@@ -80,6 +81,15 @@ def assert_micro_batches_add_up(
         bound = stat_sum_bound(stats[k], int(mask.sum()), len(chunks))
         assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= bound, k
     return loss, stats
+
+
+def assert_standardised_advantages(compute_advantages, rewards, args) -> torch.Tensor:
+    """`compute_advantages` gives each float64 reward standardised within its group, (R - mean) / (std + eps) with
+    the unbiased std (tests/reference.py), to 1e-12. Returns the advantages."""
+    got = compute_advantages(rewards, args)
+    want = group_advantages(rewards.tolist(), args.group_size, eps=args.adv_eps)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    return got
 
 
 def on_policy_pair():
