@@ -4,6 +4,7 @@ stand-ins for running a script's `update_policy` in one process."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import socket
 import sys
 import types
@@ -12,8 +13,10 @@ import torch
 
 from common.loss import grad_normalizers
 from tests.fp_bounds import gamma
+from tests.reference import group_advantages
 
 MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches of a 12-sequence rollout
+PPO_CLIP_STATS = ("clip_frac_low", "clip_frac_high", "approx_kl")  # the token means every PPO-clip loss reports
 
 
 def free_port() -> int:
@@ -78,6 +81,82 @@ def assert_micro_batches_add_up(
         bound = stat_sum_bound(stats[k], int(mask.sum()), len(chunks))
         assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= bound, k
     return loss, stats
+
+
+def assert_standardised_advantages(compute_advantages, rewards, args) -> torch.Tensor:
+    """`compute_advantages` gives each float64 reward standardised within its group, (R - mean) / (std + eps) with
+    the unbiased std (tests/reference.py), to 1e-12. Returns the advantages."""
+    got = compute_advantages(rewards, args)
+    want = group_advantages(rewards.tolist(), args.group_size, eps=args.adv_eps)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    return got
+
+
+def on_policy_pair():
+    """Two answers of 1 and 4 tokens at r = 1 (log-probs 0, old ones equal) with A = +1 and -1: the gradient shows how
+    an aggregation weighs a token of a short and of a long answer. Returns (logps [2, 4] requiring grad, mask, adv)."""
+    logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
+    return logps, torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]), torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+
+def clip_probe():
+    """Two answers of two tokens, old log-probs 0, ratios [[1.5, 1.1], [0.5, 0.9]], A = [+1, -1]: under a 0.2 clip the
+    first tokens are clipped (r = 1.5 with A > 0, r = 0.5 with A < 0), the second ones are inside the trust region.
+    Returns (logps requiring grad, old, adv, mask)."""
+    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    return logps, torch.zeros(2, 2, dtype=torch.float64), adv, torch.ones(2, 2)
+
+
+def assert_loss_matches_reference(
+    compute_policy_loss,
+    reference_loss,
+    logps,
+    old,
+    adv,
+    mask,
+    args,
+    stat_keys=(*PPO_CLIP_STATS, "policy_loss"),
+    loss_atol=1e-12,
+    min_nonzero=10,
+    **kwargs,
+):
+    """A script's `compute_policy_loss` against its float64 brute-force `reference_loss` (log-probs [B, T] ->
+    float): the value within `loss_atol`, the gradient by finite differences at every position (at least
+    `min_nonzero` of them nonzero, so that the check is not vacuous), exactly 0 on padding; the stats include
+    `stat_keys` and are all scalars. `kwargs` go to compute_policy_loss. Returns (gradient, stats)."""
+    logps = logps.detach().requires_grad_(True)
+    loss, stats = compute_policy_loss(logps, old, adv, mask, args, **kwargs)
+    assert abs(loss.item() - reference_loss(logps.detach())) < loss_atol
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert assert_grad_matches_finite_differences(grad, reference_loss, logps) >= min_nonzero
+    assert (grad[mask == 0] == 0).all()
+    assert set(stat_keys) <= set(stats) and all(v.dim() == 0 for v in stats.values()), sorted(stats)
+    return grad, stats
+
+
+def assert_grad_matches_finite_differences(grad, reference_loss, logps, eps=1e-6, rtol=1e-6) -> int:
+    """The autograd gradient `grad` of a script's loss matches central differences of `reference_loss` (a float64
+    brute-force reference: log-probs [B, T] -> float) at every position of `logps`, padding included:
+    |grad - fd| <= rtol * max(1, |fd|). Returns how many positions have a nonzero gradient, so that a caller can
+    assert that the check is not vacuous.
+
+    Tolerance: central differences are off by eps^2 / 6 times the third derivative (~1e-13 here) plus the
+    reference's rounding error over eps; a float64 sum of m <= 150 terms of total size S <= 10 rounds by at most
+    m u S = 1.7e-13, so at most 1.7e-7 at eps = 1e-6, under the default rtol = 1e-6 (measured: <= 2e-10 on the
+    seven scripts' tests). A position within eps of a kink of the reference (a clip boundary) would get the mean of
+    the two slopes: the tests' rollouts keep their ratios away from the clip boundaries."""
+    base = logps.detach().to(torch.float64)
+    nonzero = 0
+    for i, t in itertools.product(range(base.shape[0]), range(base.shape[1])):
+        up, down = base.clone(), base.clone()
+        up[i, t] += eps
+        down[i, t] -= eps
+        fd = (reference_loss(up) - reference_loss(down)) / (2 * eps)
+        got = grad[i, t].item()
+        assert abs(got - fd) <= rtol * max(1.0, abs(fd)), (i, t, got, fd)
+        nonzero += got != 0
+    return nonzero
 
 
 def stat_sum_bound(value: torch.Tensor, num_terms: int, num_parts: int) -> float:

@@ -34,7 +34,7 @@ from common.data import (
 )
 from common.sampling import Completion
 from tests.checks import launch_cmd
-from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
+from tests.test_scripts import ROOT, SCRIPTS, read_metrics, run_script, toy_flags
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -585,6 +585,38 @@ def test_the_analysis_of_answers_without_reasoning():
     assert answers_without_reasoning("\\boxed{7}") and answers_without_reasoning("The answer is \\boxed{\\frac{1}{2}}.")
     assert not answers_without_reasoning("First add three and four to get seven, so \\boxed{7}.")
     assert not answers_without_reasoning("no final answer here at all")
+
+
+def test_profile_takes_the_runs_flags_from_the_scripts(capsys):
+    """The profile's run flags are grpo.Args's fields (default and help), and every script's flag of that name has
+    the same type, so that a run's value (e.g. --reward-format answer-line-strict) is one the profile takes."""
+    import importlib
+    import typing
+
+    import tyro
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_data import RUN_FLAGS, Args, field_docs
+
+    theirs = typing.get_type_hints(Args)
+    for script in SCRIPTS:
+        hints = typing.get_type_hints(importlib.import_module(script).Args)
+        assert {n: hints[n] for n in RUN_FLAGS} == {n: theirs[n] for n in RUN_FLAGS}, script
+    assert {n: getattr(Args(), n) for n in RUN_FLAGS} == {n: getattr(grpo.Args(), n) for n in RUN_FLAGS}
+
+    @dataclasses.dataclass
+    class Example:
+        a: int = 1
+        """one line"""
+        b: str = "x"
+        c: float = 2.0
+        """two
+        lines"""
+
+    assert field_docs(Example) == {"a": "one line", "c": "two lines"}
+    with pytest.raises(SystemExit):
+        tyro.cli(Args, args=["--help"])
+    assert "answer-line-strict: verl math_dapo's verdict exactly" in " ".join(capsys.readouterr().out.split())
 
 
 # 5. Bad input -----------------------------------------------------------------------------------------------

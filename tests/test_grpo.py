@@ -8,9 +8,18 @@ import pytest
 import torch
 
 import grpo
-from tests.checks import SingleProcess, TablePolicy, assert_micro_batches_add_up
+from tests.checks import (
+    PPO_CLIP_STATS,
+    SingleProcess,
+    TablePolicy,
+    assert_loss_matches_reference,
+    assert_micro_batches_add_up,
+    assert_standardised_advantages,
+    clip_probe,
+    on_policy_pair,
+)
 from tests.fp_bounds import assert_within, group_advantage_bound
-from tests.reference import aggregate, group_advantages, k3, ppo_clip_token
+from tests.reference import aggregate, k3, ppo_clip_token
 
 
 def make_args(**kw):
@@ -32,9 +41,7 @@ def rollout(seed, groups=3, g=4, t=6):
 def test_advantages_match_reference():
     args = make_args()
     rewards, *_ = rollout(0)
-    got = grpo.compute_advantages(rewards, args)
-    want = group_advantages(rewards.tolist(), 4, eps=args.adv_eps)
-    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    got = assert_standardised_advantages(grpo.compute_advantages, rewards, args)
     assert (got[:4] == 0).all()
 
 
@@ -67,32 +74,17 @@ def test_policy_loss_value_and_gradient_match_reference(beta):
     args = make_args(beta=beta)
     rewards, mask, old, logps, ref = rollout(1)
     adv = grpo.compute_advantages(rewards, args)
-    logps.requires_grad_(True)
-    loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args, ref_logps=ref)
-    assert abs(loss.item() - brute_loss(logps.detach(), old, adv, mask, args, ref)) < 1e-10
-    (grad,) = torch.autograd.grad(loss, logps)
-    # finite differences of the brute-force loss, token by token
-    eps = 1e-6
-    for i, t in [(4, 0), (5, 1), (8, 2), (11, 0), (6, 3)]:
-        bumped = logps.detach().clone()
-        bumped[i, t] += eps
-        fd = (
-            brute_loss(bumped, old, adv, mask, args, ref) - brute_loss(logps.detach(), old, adv, mask, args, ref)
-        ) / eps
-        assert abs(grad[i, t].item() - fd) < 1e-5 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
-    assert (grad[mask == 0] == 0).all()
-    for k in ("clip_frac_low", "clip_frac_high", "approx_kl", "policy_loss"):
-        assert stats[k].dim() == 0
+    reference = lambda lp: brute_loss(lp, old, adv, mask, args, ref)
+    _, stats = assert_loss_matches_reference(
+        grpo.compute_policy_loss, reference, logps, old, adv, mask, args, loss_atol=1e-10, ref_logps=ref
+    )
     if beta:
         assert stats["kl_ref"].item() > 0
 
 
 def test_clipped_tokens_get_no_gradient_and_are_counted():
     args = make_args()
-    old = torch.zeros(2, 2, dtype=torch.float64)
-    logps = torch.log(torch.tensor([[1.5, 1.1], [0.5, 0.9]], dtype=torch.float64)).requires_grad_(True)
-    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    mask = torch.ones(2, 2)
+    logps, old, adv, mask = clip_probe()
     loss, stats = grpo.compute_policy_loss(logps, old, adv, mask, args)
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad[0, 0] == 0 and grad[1, 0] == 0  # r=1.5 with A>0 and r=0.5 with A<0 are clipped
@@ -103,9 +95,7 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 def test_on_policy_gradient_is_advantage_weighted_sequence_mean():
     """At r = 1 the gradient w.r.t. logp_it is -A_i / (G |o_i|): the per-sequence mean, not a token mean."""
     args = make_args(group_size=2)
-    logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
-    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    logps, mask, adv = on_policy_pair()
     loss, _ = grpo.compute_policy_loss(logps, logps.detach(), adv, mask, args)
     (grad,) = torch.autograd.grad(loss, logps)
     torch.testing.assert_close(grad[0, 0], torch.tensor(-0.5, dtype=torch.float64))
@@ -123,7 +113,7 @@ def test_micro_batches_sum_to_the_mini_batch_gradient():
         adv,
         mask,
         args,
-        stat_keys=("clip_frac_low", "clip_frac_high", "approx_kl", "kl_ref"),
+        stat_keys=(*PPO_CLIP_STATS, "kl_ref"),
         ref_logps=ref,
     )
 

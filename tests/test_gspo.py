@@ -14,8 +14,12 @@ import torch
 
 import grpo
 import gspo
-from tests.checks import assert_micro_batches_add_up
-from tests.reference import group_advantages
+from tests.checks import (
+    PPO_CLIP_STATS,
+    assert_loss_matches_reference,
+    assert_micro_batches_add_up,
+    assert_standardised_advantages,
+)
 
 
 def make_args(**kw):
@@ -61,9 +65,7 @@ def rollout(seed, groups=3, g=4, t=6, near=1e-4, far=0.3):
 def test_advantages_match_reference():
     args = make_args()
     rewards, *_ = rollout(0)
-    got = gspo.compute_advantages(rewards, args)
-    want = group_advantages(rewards.tolist(), 4, eps=args.adv_eps)
-    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+    got = assert_standardised_advantages(gspo.compute_advantages, rewards, args)
     assert (got[:4] == 0).all()
 
 
@@ -74,26 +76,12 @@ def test_policy_loss_value_and_gradient_match_sequence_level_reference(eps_low, 
     args = make_args(clip_eps_low=eps_low, clip_eps_high=eps_high)
     rewards, mask, old, logps = rollout(1, near=near)
     adv = gspo.compute_advantages(rewards, args)
-    logps.requires_grad_(True)
-    loss, stats = gspo.compute_policy_loss(logps, old, adv, mask, args)
     ref = lambda lp: brute_loss(lp, old, adv, mask, eps_low, eps_high)
-    assert abs(loss.item() - ref(logps.detach())) < 1e-12
-    (grad,) = torch.autograd.grad(loss, logps)
-    eps, nonzero = 1e-7, 0
-    for i in range(logps.shape[0]):
-        for t in range(logps.shape[1]):
-            if not mask[i, t]:
-                continue
-            up, down = logps.detach().clone(), logps.detach().clone()
-            up[i, t] += eps
-            down[i, t] -= eps
-            fd = (ref(up) - ref(down)) / (2 * eps)
-            assert abs(grad[i, t].item() - fd) < 1e-6 * max(1.0, abs(fd)), (i, t, grad[i, t].item(), fd)
-            nonzero += fd != 0
-    assert nonzero > 5  # the check covers unclipped sequences, not only zero gradients
-    assert (grad[mask == 0] == 0).all()
-    for k in ("clip_frac_low", "clip_frac_high", "seq_clip_frac", "approx_kl", "policy_loss"):
-        assert stats[k].dim() == 0
+    keys = ("clip_frac_low", "clip_frac_high", "seq_clip_frac", "approx_kl", "policy_loss")
+    # min_nonzero: the check covers unclipped sequences, not only zero gradients
+    _, stats = assert_loss_matches_reference(
+        gspo.compute_policy_loss, ref, logps, old, adv, mask, args, stat_keys=keys, min_nonzero=6
+    )
     assert "kl_ref" not in stats
 
 
@@ -204,7 +192,7 @@ def test_micro_batches_sum_to_the_mini_batch_gradient_and_stats():
         adv,
         mask,
         args,
-        stat_keys=("seq_clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl"),
+        stat_keys=("seq_clip_frac", *PPO_CLIP_STATS),
     )
     assert 0 < stats["seq_clip_frac"].item() < 1
 

@@ -97,7 +97,7 @@ def _assert_logps(c: Completion, ref: torch.Tensor, bound: torch.Tensor) -> None
 
 def _eos_bias(model: nn.Module, eos_id: int, bias: float):
     """Adds `bias` to the EOS logit (a forward hook on lm_head), so the random toy model stops sometimes."""
-    onehot = lambda v: torch.nn.functional.one_hot(torch.tensor(eos_id), v)  # noqa: E731
+    onehot = lambda v: torch.nn.functional.one_hot(torch.tensor(eos_id), v)
     return model.lm_head.register_forward_hook(lambda mod, inp, out: out + onehot(out.shape[-1]) * bias)
 
 
@@ -196,7 +196,7 @@ def test_hf_seeding_rng_and_train_mode(model, tok, prompts):
 
     again = HFSampler(model, tok, seed=7).generate(prompts, 4, 1.0, 1.0, 8)
     other = HFSampler(model, tok, seed=8).generate(prompts, 4, 1.0, 1.0, 8)
-    ids = lambda cs: [c.token_ids for c in cs]  # noqa: E731
+    ids = lambda cs: [c.token_ids for c in cs]
     assert ids(first) == ids(again)
     assert ids(first) != ids(second)
     assert ids(first) != ids(other)

@@ -124,7 +124,7 @@ def test_token_logprobs_triton_matches_torch_on_toy_qwen2(toy_assets):
     for kernel in ("triton", "torch"):
         lm = AutoModelForCausalLM.from_pretrained(toy_assets["model"], dtype=torch.float64).to(DEVICE)
         seen = []  # the decoder's last hidden states: the head's inputs
-        keep = lambda mod, args, kwargs, res, seen=seen: seen.append(res.last_hidden_state.detach())  # noqa: E731
+        keep = lambda mod, args, kwargs, res, seen=seen: seen.append(res.last_hidden_state.detach())
         lm.get_decoder().register_forward_hook(keep, with_kwargs=True)
         policy = TokenLogProbs(lm, chunk_size=3, kernel=kernel)
         lp, ent = policy(ids, attn, completion_start=4, temperature=0.7)

@@ -22,61 +22,56 @@ cut short by a smaller budget, or scored in another format, gives another pass r
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import re
 import sys
-from dataclasses import dataclass
-from typing import Literal
+import textwrap
+from dataclasses import dataclass, field, make_dataclass
+from typing import Annotated, get_type_hints
 
 import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
 
 NO_REASONING_WORDS = 5  # a final answer with fewer words than this around it "answers without reasoning"
 _WORDS = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
 
 
+# The run's flags, taken from grpo.Args with their types, defaults and help (every script has them, some with other
+# defaults): pass the values of the run the profile is for, so that it loads, templates, samples and scores the data
+# as that run will.
+RUN_FLAGS = """model_name_or_path dataset_name dataset_config dataset_split prompt_column answer_column prompt_template
+reward_format max_prompt_tokens max_bad_answer_frac sampler max_new_tokens temperature top_p seed""".split()
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, as the scripts' Args write them (tyro shows it as the help)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    pairs = zip(body, body[1:])
+    docs = {a.target.id: b.value.value for a, b in pairs if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+    return {name: " ".join(doc.split()) for name, doc in docs.items()}
+
+
+_types, _docs, _defaults = get_type_hints(grpo.Args), field_docs(grpo.Args), grpo.Args()
+RunFlags = make_dataclass(
+    "RunFlags",
+    [(n, Annotated[_types[n], tyro.conf.arg(help=_docs[n])], field(default=getattr(_defaults, n))) for n in RUN_FLAGS],
+)
+
+
 @dataclass
-class Args:
-    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
-    """Hugging Face hub id or local directory of the model to profile the data under"""
-    dataset_name: str = "DigitalLearningGmbH/MATH-lighteval"
-    """hub id, or a local .jsonl / .json / .parquet file"""
-    dataset_config: str | None = None
-    """dataset configuration name on the hub, if it has several"""
-    dataset_split: str = "train"
-    """dataset split"""
-    prompt_column: str = "problem"
-    """column holding the question"""
-    answer_column: str = "solution"
-    """column holding the reference answer"""
-    prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
-    """the training scripts' prompt templates (use the one you will train with: --difficulty-file matches on it)"""
-    reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-tag"] = "auto"
-    """where the verifier reads the final answer, as in the scripts; auto: from --prompt-template (none: any,
-    qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)"""
-    max_prompt_tokens: int = 1024
-    """prompts longer than this are dropped, as in training"""
-    max_bad_answer_frac: float = 0.1
-    """refuse a dataset where more than this fraction of answers cannot be parsed"""
-    sampler: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM when CUDA and vllm are available, else Hugging Face generate"""
+class Args(RunFlags):
     samples: int = 8
     """K, completions per prompt"""
     limit: int = 256
     """profile at most this many prompts, the first of the dataset (0: all); only they get a prior in the run"""
     batch_prompts: int = 64
     """prompts per generate call"""
-    max_new_tokens: int = 1024
-    """generation budget per completion (the scripts' default; use the run's, e.g. 2 on the toy task)"""
-    temperature: float = 1.0
-    """sampling temperature"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    seed: int = 1
-    """sampler seed"""
     output: str = "profile.jsonl"
     """where the per-prompt JSON lines go (the histogram goes to the same name with .png)"""
 
