@@ -32,7 +32,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-PER_SCRIPT = {"grpo": ["--beta", "0"], "dapo": ["--max-gen-batches", "2"], "cispo": ["--max-gen-batches", "2"]}
+# No KL for grpo (as the others). dapo / cispo: at most 2 generation rounds a step, and one update per rollout without
+# warm-up, as grpo: their paper defaults (16 updates per rollout after a 320-step warm-up) do not fit 10 steps; dapo's
+# soft overlong zone is the last 16 of the 64 tokens (its default 4096 would cover every length). dr_grpo keeps its
+# defaults (8 updates per rollout, as oat).
+DAPO_BUDGET = ["--max-gen-batches", "2", "--num-mini-batches", "1", "--warmup-steps", "0"]
+PER_SCRIPT = {
+    "grpo": ["--beta", "0"],
+    "dapo": [*DAPO_BUDGET, "--overlong-buffer-len", "16"],
+    "cispo": DAPO_BUDGET,
+}
 
 
 def common_flags(data: str, a) -> list[str]:
@@ -75,6 +84,11 @@ def finished(out: str, name: str, seed: int) -> str | None:
         except (OSError, ValueError, IndexError, StopIteration, KeyError):
             continue
     return None
+
+
+def wall_minutes(run_dir: str) -> float:
+    """From a run's start (the unix time in its directory name) to its last metrics row."""
+    return (os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")) - int(run_dir.rsplit("__", 1)[1])) / 60
 
 
 def run(script: str, flags: list[str]) -> str:
@@ -241,7 +255,8 @@ def main() -> None:
         f"(Q4_1 GGUF, dequantised), {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, "
         f"T={a.temperature}, lr {a.lr}, {a.steps} steps, sampler {a.sampler}; "
         f"eval avg@{a.eval_k} on {a.eval_limit} held-out questions; "
-        f"seeds {a.seeds}; {(time.time() - t0) / 60:.0f} min in all"
+        f"seeds {a.seeds}; the scripts' runs took {sum(map(wall_minutes, dirs)):.0f} min, this invocation "
+        f"{(time.time() - t0) / 60:.0f} min (finished runs are reused)"
     )
     lines = [head, "", "| script | setting | eval accuracy: mean (min-max over seeds) | per seed | s/step |"]
     lines.append("|---|---|---|---|---|")
