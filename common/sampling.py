@@ -624,7 +624,13 @@ class VLLMSampler:
     On CPU (vLLM's CPU build): `dtype="auto"` is float32, the trainer's, so the canary measures the sync and not
     bf16 noise; the engine runs eagerly (`enforce_eager=True`); vLLM's packed CPU GEMMs are packed again from the
     pushed weights after each push (`_keep_cpu_linear_weights`); prompts are prefilled whole (no chunked prefill);
-    attention needs a head_dim its CPU kernels support (64 works, 16 does not).
+    attention needs a head_dim its CPU kernels support (64 works, 16 does not). `generate` runs with `cpu_threads`
+    torch threads (default: every core this process may use but one, and at most the trainer's), vLLM's own CPU
+    policy (its CPU worker binds to all cores but one, kept for the engine's serial work): an OpenMP team as large
+    as the machine waits at every parallel region for its slowest thread, so any other load on the cores (a second
+    run, the reward workers) stalls decoding (SmolLM2-135M on 2 busy cores: 2 threads 12-15x slower than 1,
+    benchmarks/bench_vllm_cpu.py); `update_weights` copies and packs with as many (0.5 s instead of 4.5 s there).
+    The trainer's count is back after each call.
     Building the engine leaves the trainer's RNG states and torch thread count as they were.
     """
 
@@ -643,6 +649,7 @@ class VLLMSampler:
         weight_sync: Literal["reload_weights", "load_weights"] = "reload_weights",
         bucket_bytes: int = 1 << 30,
         stop: Sequence[str] = (),
+        cpu_threads: int | None = None,
         **llm_kwargs: Any,
     ):
         if sleep_level not in (1, 2):
@@ -660,18 +667,7 @@ class VLLMSampler:
         if dtype == "auto":
             dtype = "bfloat16" if cuda else "float32"
         if not cuda:
-            llm_kwargs.setdefault("enforce_eager", True)  # no compilation on CPU: a CPU run is a test or a debug run
-            # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with set_offset,
-            # which CPU generators lack ("CPU Generator does not use offset"): schedule whole prompts only
-            llm_kwargs.setdefault("enable_chunked_prefill", False)
-            llm_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 4096))  # CPU default or a prompt
-            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own CPU setting, in GiB, wins when set
-                import psutil  # a vLLM dependency
-
-                # vLLM's CPU default counts this whole process (the trainer too) against the fraction; make the
-                # fraction the KV cache's alone, which also skips its warm-up pass
-                kv_bytes = int(gpu_memory_utilization * psutil.virtual_memory().total)
-                llm_kwargs.setdefault("kv_cache_memory_bytes", kv_bytes)
+            llm_kwargs = {**_cpu_engine_defaults(max_model_len, gpu_memory_utilization), **llm_kwargs}
         _ensure_dist_env()
         with _preserve_process_state():
             from vllm import LLM
@@ -700,6 +696,7 @@ class VLLMSampler:
         self.sleep_level = sleep_level
         self.weight_sync = weight_sync
         self.bucket_bytes = bucket_bytes
+        self.cpu_threads = cpu_threads
         self._weights_valid = True  # False after a level-2 sleep until the next update_weights
 
     # sleep mode ---------------------------------------------------------------------------------------
@@ -734,15 +731,16 @@ class VLLMSampler:
         sleeping = self.enable_sleep_mode and self.is_sleeping()
         if sleeping:
             self.wake_up(tags=["weights"])  # weights before KV cache: never old + new weights + KV at once
-        if self.weight_sync == "reload_weights":
-            weights = (item for bucket in iter_weight_buckets(model, self.bucket_bytes) for item in bucket)
-            kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
-            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
-        else:
-            for bucket in iter_weight_buckets(model, self.bucket_bytes):
-                self.llm.apply_model(lambda m, b=bucket: m.load_weights(b))
-        if self.cpu:  # vLLM's CPU GEMMs read packed copies of the weights: pack them again from the new ones
-            self.llm.apply_model(_repack_cpu_linears)
+        with _torch_threads(_generation_threads(self.cpu_threads) if self.cpu else None):  # as generate's, on CPU
+            if self.weight_sync == "reload_weights":
+                weights = (item for bucket in iter_weight_buckets(model, self.bucket_bytes) for item in bucket)
+                kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
+                self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+            else:
+                for bucket in iter_weight_buckets(model, self.bucket_bytes):
+                    self.llm.apply_model(lambda m, b=bucket: m.load_weights(b))
+            if self.cpu:  # vLLM's CPU GEMMs read packed copies of the weights: pack them again from the new ones
+                self.llm.apply_model(_repack_cpu_linears)
         if sleeping:
             self.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
@@ -753,8 +751,6 @@ class VLLMSampler:
     ) -> list[Completion]:
         """See `Sampler.generate`. Wakes a sleeping engine (after a level-2 sleep, only `update_weights` may)."""
         _check_request(prompt_token_ids, n, max_new_tokens)
-        from vllm import SamplingParams
-
         if self.enable_sleep_mode and self.is_sleeping():
             if not self._weights_valid:
                 raise RuntimeError(
@@ -762,27 +758,13 @@ class VLLMSampler:
                 )
             self.wake_up()
         greedy = temperature <= 0  # vLLM requires n == 1 for greedy sampling: decode once, copy n times
-        rows = 1 if greedy else n
         call, self.calls = self.calls, self.calls + 1
-        params = [
-            SamplingParams(
-                n=rows,
-                temperature=0.0 if greedy else temperature,
-                top_p=1.0 if greedy else top_p,
-                top_k=0,
-                max_tokens=max_new_tokens,
-                logprobs=0,  # the sampled token's log-prob only
-                flat_logprobs=True,
-                detokenize=True,
-                skip_special_tokens=True,
-                stop=self.stop or None,
-                include_stop_str_in_output=True,  # the text keeps the stop string, as the tokens do
-                seed=_request_seed(self.seed, call, i, rows),
-            )
-            for i in range(len(prompt_token_ids))
-        ]
+        params = _sampling_params(
+            self.seed, call, len(prompt_token_ids), n, temperature, top_p, max_new_tokens, self.stop
+        )
         requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with _torch_threads(_generation_threads(self.cpu_threads) if self.cpu else None):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions: list[Completion] = []
         for out in outputs:
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -796,6 +778,82 @@ class VLLMSampler:
                 )
                 completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
         return completions
+
+
+def _generation_threads(cpu_threads: int | None) -> int:
+    """Torch threads for a CPU engine's `generate`: `cpu_threads` if given, else vLLM's CPU policy (all cores this
+    process may use but one, which its engine's serial work keeps), at most the trainer's current count."""
+    if cpu_threads is not None:
+        return max(1, cpu_threads)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores - 1))
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """Runs the block with `threads` torch (OpenMP) threads and puts the caller's count back; None: unchanged."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cpu_engine_defaults(max_model_len: int, gpu_memory_utilization: float) -> dict[str, Any]:
+    """`VLLMSampler`'s engine settings on CPU (vLLM's CPU build); keyword arguments the caller passes win."""
+    kwargs: dict[str, Any] = {
+        "enforce_eager": True,  # no compilation on CPU: a CPU run is a test or a debug run
+        # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with set_offset, which
+        # CPU generators lack ("CPU Generator does not use offset"): schedule whole prompts only
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_model_len, 4096),  # CPU default, or room for one whole prompt
+    }
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own CPU setting, in GiB, wins when set
+        import psutil  # a vLLM dependency
+
+        # vLLM's CPU default counts this whole process (the trainer too) against the fraction; make the fraction
+        # the KV cache's alone, which also skips its warm-up pass
+        kwargs["kv_cache_memory_bytes"] = int(gpu_memory_utilization * psutil.virtual_memory().total)
+    return kwargs
+
+
+def _sampling_params(
+    seed: int,
+    call: int,
+    prompts: int,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    stop: Sequence[str],
+) -> list[Any]:
+    """The vLLM SamplingParams of `VLLMSampler.generate`'s call number `call`, one per prompt (with its own seed,
+    see the class docstring). Greedy (temperature <= 0) asks for one row: vLLM requires n == 1 for it."""
+    from vllm import SamplingParams
+
+    greedy = temperature <= 0
+    rows = 1 if greedy else n
+    return [
+        SamplingParams(
+            n=rows,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0,
+            max_tokens=max_new_tokens,
+            logprobs=0,  # the sampled token's log-prob only
+            flat_logprobs=True,
+            detokenize=True,
+            skip_special_tokens=True,
+            stop=list(stop) or None,
+            include_stop_str_in_output=True,  # the text keeps the stop string, as the tokens do
+            seed=_request_seed(seed, call, i, rows),
+        )
+        for i in range(prompts)
+    ]
 
 
 def _request_seed(seed: int, call: int, prompt: int, n: int) -> int:

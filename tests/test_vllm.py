@@ -115,6 +115,13 @@ def test_building_the_engine_keeps_the_trainers_rng_and_threads(engine_report):
 
 
 @pytest.mark.slow
+def test_cpu_generate_runs_with_its_own_thread_count_and_restores_the_trainers(engine_report):
+    """`cpu_threads=1`, then the default (all cores but one, at most the trainer's 2) inside the engine's generate,
+    `cpu_threads=1` inside a push's reload; the trainer's count afterwards."""
+    assert engine_report["generate_threads"]
+
+
+@pytest.mark.slow
 def test_without_the_cpu_weight_fix_load_weights_cannot_sync(vllm_assets):
     """What `_keep_cpu_linear_weights` guards: vLLM's CPU backend repacks linear weights and leaves empty tensors in
     their place, so the `load_weights` route cannot write into them. (The `reload_weights` route rebuilds the packed
@@ -136,7 +143,7 @@ def test_aborted_or_failed_requests_raise():
 
     for reason, ok in (("stop", True), ("length", True), ("abort", False), ("error", False)):
         sampler = object.__new__(VLLMSampler)
-        sampler.seed, sampler.calls, sampler.enable_sleep_mode, sampler.stop = 0, 0, False, []
+        sampler.seed, sampler.calls, sampler.enable_sleep_mode, sampler.stop, sampler.cpu = 0, 0, False, [], False
         sampler.llm = type("LLM", (), {"generate": lambda self, reqs, params, use_tqdm, reason=reason: [Out(reason)]})()
         if ok:
             assert isinstance(sampler.generate([[1]], 1, 1.0, 1.0, 4)[0], Completion)

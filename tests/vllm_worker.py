@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import sys
 
@@ -98,6 +99,19 @@ def main(model_dir: str, fix: bool) -> dict:
     first = [c.token_ids for c in sampler.generate(PROMPTS, N, 1.0, 1.0, MAX_NEW)]
     sampler.load_state_dict(state)
     res["resampled_same"] = first == [c.token_ids for c in sampler.generate(PROMPTS, N, 1.0, 1.0, MAX_NEW)]
+    # torch threads inside the engine's generate (cpu_threads=1, then the default) and inside a push's reload (1)
+    seen: list[int] = []
+    engine_generate, engine_rpc = sampler.llm.generate, sampler.llm.collective_rpc
+    sampler.llm.generate = lambda *a, **k: (seen.append(torch.get_num_threads()), engine_generate(*a, **k))[1]
+    sampler.llm.collective_rpc = lambda *a, **k: (seen.append(torch.get_num_threads()), engine_rpc(*a, **k))[1]
+    for threads in (1, None):
+        sampler.cpu_threads = threads
+        sampler.generate(PROMPTS[:1], 1, 1.0, 1.0, 2)
+    sampler.cpu_threads = 1
+    sampler.update_weights(model)  # the same weights again
+    sampler.llm.generate, sampler.llm.collective_rpc, sampler.cpu_threads = engine_generate, engine_rpc, None
+    expected = [1, max(1, min(before[3], len(os.sched_getaffinity(0)) - 1)), 1]  # all cores but one, <= the trainer's
+    res["generate_threads"] = seen == expected and torch.get_num_threads() == before[3]
 
     for route in ("reload_weights", "load_weights"):
         sampler.weight_sync = route
