@@ -19,8 +19,9 @@ timeouts need a main thread, which the worker loop is). Work goes out in chunks 
 item. The caller watches progress with `select`: a worker silent for `timeout_s + 1` s (stuck in C code, where
 no signal handler runs, e.g. big-integer arithmetic) is killed; the item it was on scores 0 as a timeout, the
 rest of its chunk is queued again and a fresh worker takes its place, so one bad item never zeroes its
-neighbours and later calls still work. The pool starts on first use, is reused, is re-created in a forked
-child and is killed at exit.
+neighbours and later calls still work. A worker whose own alarm cut an item short is replaced the same way: the
+interrupted parse may leave math-verify's and sympy's caches half-updated. The pool starts on first use, is
+reused, is re-created in a forked child and is killed at exit.
 
 Integer answers (a predicted and a gold answer that are both integers of at most 30 digits) never reach
 math-verify: its verdict on two integers is integer equality (its string, numeric and symbolic checks all reduce
@@ -364,6 +365,11 @@ class _Pool:
                         if w.items.pop(0)[0] != i:
                             raise RuntimeError("common.reward: worker answered out of order")
                         results[i] = (value, status)
+                        if status == "timeout":  # its alarm cut math-verify / sympy mid-parse and their caches
+                            # may be half-updated (a later verdict on the same input came back different): the rest
+                            # of its chunk, answered or not, goes to a fresh worker
+                            self._replace(w, queue, results, None)
+                            break
                     w.since = time.monotonic()
             now = time.monotonic()
             for w in list(self.workers):

@@ -114,7 +114,7 @@ def test_hostile_is_bounded_and_counted(name):
     scores, counts = score([HOSTILE[name]], ["1"], timeout_s=1.0)
     assert time.monotonic() - start < reward_wall_bound(1, 1.0, num_kills=1)
     assert scores == [0.0]
-    assert counts["timeouts"] + counts["errors"] == 1, counts
+    assert counts["timeouts"] + counts["errors"] + counts["no_answer"] == 1, counts  # cut off, or parsed to nothing
 
 
 def test_no_code_execution(tmp_path):
@@ -136,7 +136,9 @@ def test_hostile_neighbours_keep_their_scores():
     scores, counts = score([c for c, _ in batch], [g for _, g in batch], timeout_s=2.0)
     assert time.monotonic() - start < reward_wall_bound(len(batch), 2.0, num_kills=2)
     assert scores == [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
-    assert counts["timeouts"] + counts["errors"] == 2
+    # each hostile item is cut off (timeout, error) or parsed to nothing (no_answer, e.g. the parser's recursion
+    # limit), which of them depends on the machine's speed; the good ones all have an answer
+    assert counts["timeouts"] + counts["errors"] + counts["no_answer"] == 2, counts
     assert math_reward([r"\boxed{42}", r"\boxed{2^{10}}"], ["42", "1024"]) == [1.0, 1.0]  # the pool still works
 
 

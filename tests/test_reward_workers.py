@@ -93,6 +93,19 @@ def test_the_pool_is_resized_to_the_worker_count(pool_tasks):
         reward.set_workers(-2)
 
 
+def test_a_worker_whose_item_timed_out_is_replaced_and_its_later_answers_are_not_kept(pool_tasks):
+    """The worker's alarm cuts math-verify short mid-parse, which can leave its (and sympy's) caches half-updated:
+    the same input, scored again by that worker, once came back at once as a plain 0 instead of timing out. So a
+    worker is replaced after a timeout, and the rest of its chunk is scored by the fresh one."""
+    reward.set_workers(1)
+    slow = r"\boxed{" + "(" * 300 + "1" + ")" * 300 + "}"  # parsed, slowly: times out at 1 s
+    assert score([OTHER[0][0]], [OTHER[0][1]])[0] == [1.0]
+    before = reward._POOL.workers[0].proc
+    scores, counts = score([slow, OTHER[0][0], OTHER[1][0]], ["1", OTHER[0][1], OTHER[1][1]], timeout_s=1.0)
+    assert scores == [0.0, 1.0, 1.0] and counts["timeouts"] == 1, counts
+    assert reward._POOL.workers[0].proc is not before and before.poll() is not None  # replaced, and the old one gone
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs os.sched_getaffinity")
 @pytest.mark.parametrize("local_ranks,want", [(None, 8), ("1", 8), ("4", 2), ("3", 2), ("16", 1)])
 def test_default_workers_divide_this_process_cores_among_local_ranks(monkeypatch, local_ranks, want):
