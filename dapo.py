@@ -570,7 +570,7 @@ def main(args: Args) -> None:
     bad_steps, start_time = 0, time.time()
     for step in range(start_step, args.total_steps):
         t0 = time.time()
-        # ALGO LOGIC: dynamic sampling (§3.2, Algorithm 1), the rollout: rounds of --gen-prompts-per-round prompts until
+        # ALGO LOGIC: dynamic sampling (§3.2, Algorithm 1), the rollout: --gen-prompts-per-round prompts a round until
         # every rank holds its share of informative groups (0 < #correct < G) or --max-gen-batches rounds ran; the
         # ranks keep the smallest count (DDP needs equal micro-batch counts everywhere) and drop the surplus, as verl.
         device, share = accelerator.device, args.prompts_per_step // world
