@@ -118,6 +118,22 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
         prev_c = tracker.correct.sum()
 
 
+def test_the_graded_task_ranges_from_trivial_to_hopeless(toy_assets):
+    """The graded toy task (docs/data_strategies.md): a third of each level; the hard sums' answers take more tokens
+    than the 2 new tokens the measurements give, so they are never solved; every answer is its question's sum."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_assets["model"])
+    rows = [json.loads(line) for line in open(toy_assets["graded_train"])]
+    easy, medium, hard = rows[0::3], rows[1::3], rows[2::3]  # the levels in turn
+    assert len(rows) == 96 and max(int(r["answer"]) for r in easy) <= 2 and max(int(r["answer"]) for r in medium) <= 8
+    assert min(int(r["answer"]) for r in hard) >= 100
+    assert all(eval(r["question"].rstrip("=")) == int(r["answer"]) for r in rows)
+    assert min(len(tok(r["answer"])["input_ids"]) for r in hard) > 2
+    for level in ("easy", "medium", "hard"):
+        assert len(open(toy_assets[f"test_{level}"]).readlines()) == 32
+
+
 # 2. Prompt sampling ---------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,9 @@ fly, and a synthetic arithmetic dataset (docs/design.md "Tests"). Nothing is dow
 
     python -m tests.toy /tmp/toy        # writes /tmp/toy/model and /tmp/toy/{train,test}.jsonl
 
+It also writes a graded task (graded_train.jsonl; test_easy, test_medium, test_hard.jsonl): easy, toy-sized and
+two-digit sums in equal shares, on which the data strategies' choice of prompts has something to choose from.
+
 The task is small on purpose: "a+b=" with a, b in 0..4, so a randomly initialised model gets a few
 answers right by chance and RL has a signal to amplify within a minute on a CPU.
 """
@@ -32,12 +35,34 @@ def arithmetic_rows(n: int, seed: int, max_operand: int = 4) -> list[dict[str, s
     return rows
 
 
-def write_dataset(path: str, n: int = 256, seed: int = 0) -> str:
-    """Writes the arithmetic rows as JSON lines to `path` and returns it."""
+# Operand ranges of the graded task: sums the model masters early, the toy task's own, and two-digit sums whose
+# answers (100..198, three tokens) do not fit in the 2 new tokens of the quickstart, i.e. never solved.
+LEVELS = {"easy": (0, 1), "medium": (0, 4), "hard": (50, 99)}
+
+
+def graded_rows(n: int, seed: int, levels: tuple[str, ...] = tuple(LEVELS)) -> list[dict[str, str]]:
+    """`n` rows cycling through `levels` (LEVELS' operand ranges): a dataset whose prompts range from trivial to
+    hopeless for the toy model, as a real dataset does for a real one, for the data strategies' measurements."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        low, high = LEVELS[levels[i % len(levels)]]
+        a, b = rng.randint(low, high), rng.randint(low, high)
+        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def write_rows(path: str, rows: list[dict[str, str]]) -> str:
+    """Writes `rows` as JSON lines to `path` and returns it."""
     with open(path, "w") as f:
-        for row in arithmetic_rows(n, seed):
+        for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def write_dataset(path: str, n: int = 256, seed: int = 0) -> str:
+    """Writes the arithmetic rows as JSON lines to `path` and returns it."""
+    return write_rows(path, arithmetic_rows(n, seed))
 
 
 def build_tokenizer(out_dir: str):
@@ -100,7 +125,10 @@ def build_all(root: str) -> dict[str, str]:
         "model": build_model(os.path.join(root, "model")),
         "train": write_dataset(os.path.join(root, "train.jsonl"), n=512, seed=0),
         "test": write_dataset(os.path.join(root, "test.jsonl"), n=64, seed=1),
+        "graded_train": write_rows(os.path.join(root, "graded_train.jsonl"), graded_rows(96, seed=2)),
     }
+    for level in LEVELS:  # one test file per level, so each level has its own eval metrics
+        paths[f"test_{level}"] = write_rows(os.path.join(root, f"test_{level}.jsonl"), graded_rows(32, 3, (level,)))
     return paths
 
 
