@@ -103,17 +103,23 @@ class Sampler(Protocol):
 # --------------------------------------------------------------------------------------------------------
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strips training wrappers: DDP / DataParallel / DeepSpeedEngine / FSDP1 (`.module`) and torch.compile's
-    OptimizedModule (`._orig_mod`), repeatedly. FSDP2 (`fully_shard`) changes the module in place and needs
-    no unwrapping."""
+def _wrapper_chain(model: nn.Module) -> Iterator[nn.Module]:
+    """`model`, then each module it wraps: DDP / DataParallel / DeepSpeedEngine / FSDP1 (`.module`) and
+    torch.compile's OptimizedModule (`._orig_mod`), down to the first module that wraps none."""
     while True:
+        yield model
         if isinstance(getattr(model, "_orig_mod", None), nn.Module):
             model = model._orig_mod
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         else:
-            return model
+            return
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strips training wrappers (`_wrapper_chain`), repeatedly. FSDP2 (`fully_shard`) changes the module in place
+    and needs no unwrapping."""
+    return list(_wrapper_chain(model))[-1]
 
 
 def _clean_name(name: str) -> str:
@@ -180,16 +186,7 @@ def _fsdp1_root(model: nn.Module) -> nn.Module | None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return None
-    m = model
-    while True:
-        if isinstance(m, FSDP):
-            return m
-        if isinstance(getattr(m, "_orig_mod", None), nn.Module):
-            m = m._orig_mod
-        elif isinstance(getattr(m, "module", None), nn.Module):
-            m = m.module
-        else:
-            return None
+    return next((m for m in _wrapper_chain(model) if isinstance(m, FSDP)), None)
 
 
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
