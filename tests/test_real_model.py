@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,16 @@ def smol(tmp_path_factory) -> dict[str, str]:
         capture_output=True,
     )
     return {k: os.path.join(out, v) for k, v in (("model", "model"), ("train", "train.jsonl"), ("test", "test.jsonl"))}
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    """A run's output directory whose checkpoints are deleted after the test: each real-model checkpoint is ~2 GB
+    (weights, and the weights and Adam moments again in the accelerate state), and pytest keeps the temporary
+    directories of its last three sessions, so 15 runs' would fill tens of GB of disk."""
+    yield tmp_path
+    for checkpoints in glob.glob(os.path.join(tmp_path, "*", "checkpoints")):
+        shutil.rmtree(checkpoints)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +150,7 @@ def assert_truncation(completions, eos: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["hf", "vllm"])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
+def test_every_script_runs_on_the_real_model(script, sampler, smol, out_dir):
     flags = {
         "model-name-or-path": smol["model"],
         "dataset-name": smol["train"],
@@ -153,7 +164,7 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
         "total-steps": 2,
         "sampler": sampler,
         "vllm-gpu-memory-utilization": 0.02,
-        "output-dir": str(tmp_path),
+        "output-dir": str(out_dir),
         "save-every": 0,
         "log-samples-every": 1,
         "reward-format": "any",  # 12 tokens rarely reach a box; any keeps some groups with signal
@@ -166,7 +177,7 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
         [sys.executable, f"{script}.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    (run_dir,) = glob.glob(os.path.join(tmp_path, f"{script}__1__*"))
+    (run_dir,) = glob.glob(os.path.join(out_dir, f"{script}__1__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
@@ -175,7 +186,7 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, tmp_path):
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
 
 
-def test_the_readmes_cpu_command_runs_as_written(smol, tmp_path):
+def test_the_readmes_cpu_command_runs_as_written(smol, out_dir):
     """README's main CPU job, word for word, with /tmp/smol pointed at the test's copy and a smaller budget appended
     (later flags win): a renamed flag or a wrong path in the README fails here."""
     with open(os.path.join(ROOT, "README.md")) as f:
@@ -187,10 +198,10 @@ def test_the_readmes_cpu_command_runs_as_written(smol, tmp_path):
     out = os.path.dirname(smol["model"])
     args = [a.replace("/tmp/smol", out) for a in train[2:]]
     small = ["--total-steps", "1", "--eval-every", "1", "--eval-limit", "2", "--group-size", "2", "--prompts-per-step"]
-    small += ["1", "--max-new-tokens", "8", "--eval-max-new-tokens", "8", "--output-dir", str(tmp_path)]
+    small += ["1", "--max-new-tokens", "8", "--eval-max-new-tokens", "8", "--output-dir", str(out_dir)]
     proc = subprocess.run(
         [sys.executable, train[1], *args, *small], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "grpo__1__*"))
+    (run_dir,) = glob.glob(os.path.join(out_dir, "grpo__1__*"))
     assert "eval/test/avg@2" in read_metrics(run_dir)[-1]
