@@ -174,7 +174,8 @@ class Args:
     # Data strategies (docs/data_strategies.md): all off by default
     prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
     """uniform: shuffled epochs; curriculum: easy to hard, a Gaussian (std 0.2) of each prompt's estimated pass rate
-    around a target going from 1 to --curriculum-min-target; medium: a Gaussian of it, mean 0.5, std 0.1"""
+    around a target going from 1 to --curriculum-min-target; medium: weighted by the chance that a group of
+    --group-size completions at that pass rate has a signal, 1 - p^G - (1 - p)^G"""
     difficulty_file: str | None = None
     """tools/profile_data.py output: its per-prompt pass rates and lengths seed the tracker (the prior)"""
     gt_injection: bool = False

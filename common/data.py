@@ -15,8 +15,9 @@ what a group holds. All are off by default; the scripts call them with identical
   step's counts are added, all counts are multiplied by 0.5 ** (1 / --tracker-half-life), so an observation
   weighs half after that many steps: estimates follow the moving policy, and a prompt not drawn for long drifts
   back to 0.5 (uncertain) instead of keeping what an early policy did on it.
-- `draw_probabilities` / `draw_prompts`: `--prompt-sampling medium` weights a prompt by a Gaussian of its
-  estimated pass rate p, w = exp(-(p - 0.5)^2 / (2 * 0.1^2)); `curriculum` by exp(-(p - tau)^2 / (2 * 0.2^2)),
+- `draw_probabilities` / `draw_prompts`: `--prompt-sampling medium` weights a prompt by the chance that a group of
+  G completions at its estimated pass rate p has a signal (some right, some wrong), w = 1 - p^G - (1 - p)^G;
+  `curriculum` by exp(-(p - tau)^2 / (2 * 0.2^2)),
   the target tau going linearly from 1 (easy) to --curriculum-min-target over the run. A share --uniform-floor
   of the probability is uniform, P(i) = (1 - f) w_i / sum w + f / N, so no prompt starves; the step's prompts
   are drawn from P without replacement (successive sampling, as Gumbel top-k), so none takes two groups of a
@@ -47,7 +48,6 @@ import torch
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion
 
-MEDIUM_MEAN, MEDIUM_STD = 0.5, 0.1  # --prompt-sampling medium: a Gaussian over pass rates around 0.5
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
 REPLAY_HARD, REPLAY_EASY = 0.2, 0.8  # a group is high-value when its prompt's estimate is below / above these
 REPLAY_RATIO_CAP = 3.0  # dual-clip's c (Ye et al. 2020; verl's clip_ratio_c): the bound on replayed rows with A < 0
@@ -231,10 +231,13 @@ class PromptTracker:
                 getattr(self, k)[:] = np.asarray(state[k], dtype=np.float64)
 
 
-def sampling_weights(pass_rate: np.ndarray, mode: str, progress: float, min_target: float = 0.0) -> np.ndarray:
-    """Unnormalised draw weight of each prompt (see the module docstring for the definitions)."""
+def sampling_weights(
+    pass_rate: np.ndarray, mode: str, progress: float, min_target: float, group_size: int
+) -> np.ndarray:
+    """Unnormalised draw weight of each prompt (see the module docstring for the definitions). medium's
+    1 - p^G - (1 - p)^G is computed as -expm1(G log1p(-p)) - p^G, exact for small p."""
     if mode == "medium":
-        return np.exp(-((pass_rate - MEDIUM_MEAN) ** 2) / (2 * MEDIUM_STD**2))
+        return -np.expm1(group_size * np.log1p(-pass_rate)) - pass_rate**group_size
     if mode == "curriculum":
         target = 1.0 - (1.0 - min_target) * min(max(progress, 0.0), 1.0)
         return np.exp(-((pass_rate - target) ** 2) / (2 * CURRICULUM_STD**2))
@@ -242,11 +245,12 @@ def sampling_weights(pass_rate: np.ndarray, mode: str, progress: float, min_targ
 
 
 def draw_probabilities(
-    pass_rate: np.ndarray, mode: str, progress: float, floor: float, min_target: float = 0.0
+    pass_rate: np.ndarray, mode: str, progress: float, floor: float, min_target: float, group_size: int
 ) -> np.ndarray:
-    """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor`. (The Gaussians are
-    >= exp(-12.5) on [0, 1], so sum w never underflows.)"""
-    w = sampling_weights(pass_rate, mode, progress, min_target)
+    """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor`. (The estimates lie
+    strictly inside (0, 1), so medium's weights are > 0, and curriculum's Gaussian is >= exp(-12.5) on [0, 1]: sum w
+    never underflows.)"""
+    w = sampling_weights(pass_rate, mode, progress, min_target, group_size)
     return (1.0 - floor) * w / w.sum() + floor / len(w)
 
 
@@ -333,7 +337,8 @@ class DataStrategies:
         if self.prompt_sampling == "uniform":
             return None
         rate, progress = self.tracker.pass_rate(), step / max(self.total_steps, 1)
-        return draw_probabilities(rate, self.prompt_sampling, progress, self.uniform_floor, self.curriculum_min_target)
+        mode, floor, target = self.prompt_sampling, self.uniform_floor, self.curriculum_min_target
+        return draw_probabilities(rate, mode, progress, floor, target, self.group_size)
 
 
 def check_args(args) -> None:

@@ -109,7 +109,7 @@ def test_tracker_is_gathered_over_two_processes(toy_assets, tmp_path):
     assert [m["train/reward_timeouts"] for m in metrics] == [3.0, 3.0]  # rank 0's 1 + rank 1's 2
     tracker, prev_c, decay = PromptTracker(512), 0.0, 0.5 ** (1 / grpo.Args().tracker_half_life)
     for step in (0, 1):
-        probs = draw_probabilities(tracker.pass_rate(), "medium", step / 2, grpo.Args().uniform_floor)
+        probs = draw_probabilities(tracker.pass_rate(), "medium", step / 2, grpo.Args().uniform_floor, 0.2, g)
         rows = draw_prompts(probs, 1, step, p)  # both ranks' prompts: rank r takes [2r, 2r + 2)
         expected = tracker.samples * decay + np.bincount(rows, minlength=512) * g
         tracker.load_state_dict(trainer_state(run_dir, step + 1)["data"]["tracker"])
@@ -168,17 +168,25 @@ def test_uniform_is_todays_shuffled_order():
     ],
 )
 def test_draw_probabilities_match_the_definitions(mode, progress, floor):
-    """P(i) = (1 - f) w_i / sum w + f / N; medium w = exp(-(p - 0.5)^2 / (2 0.1^2)); curriculum w = exp(-(p - tau)^2 /
-    (2 0.2^2)), tau = 1 - (1 - 0.2) progress (ending at the 0.2 target floor, not at 0)."""
+    """P(i) = (1 - f) w_i / sum w + f / N; medium w = the chance that G Bernoulli(p) draws are not all equal, summed
+    over the mixed outcomes (sum_k=1..G-1 C(G, k) p^k (1 - p)^(G - k)); curriculum w = exp(-(p - tau)^2 / (2 0.2^2)),
+    tau = 1 - (1 - 0.2) progress (ending at the 0.2 target floor, not at 0)."""
     counts = [(0, 8), (1, 8), (3, 8), (4, 8), (6, 8), (8, 8), (0, 0)]  # estimates 0.1, 0.2, 0.4, 0.5, 0.7, 0.9, 0.5
     tracker = tracker_with(counts)
     est = [(c + 1) / (n + 2) for c, n in counts]
-    mean, std = (0.5, 0.1) if mode == "medium" else (1.0 - 0.8 * progress, 0.2)
-    w = [math.exp(-((p - mean) ** 2) / (2 * std**2)) for p in est]
-    expected = [(1 - floor) * x / sum(w) + floor / len(w) for x in w]
-    got = draw_probabilities(tracker.pass_rate(), mode, progress, floor, 0.2)
-    assert np.allclose(got, expected, rtol=1e-12, atol=0) and got.min() >= floor / len(w)
-    assert np.allclose(sampling_weights(tracker.pass_rate(), mode, progress, 0.2), w, rtol=1e-12)
+    for g in (2, 8):
+        if mode == "medium":
+            w = [sum(math.comb(g, k) * p**k * (1 - p) ** (g - k) for k in range(1, g)) for p in est]
+        else:
+            w = [math.exp(-((p - (1.0 - 0.8 * progress)) ** 2) / (2 * 0.2**2)) for p in est]
+        expected = [(1 - floor) * x / sum(w) + floor / len(w) for x in w]
+        got = draw_probabilities(tracker.pass_rate(), mode, progress, floor, 0.2, g)
+        assert np.allclose(got, expected, rtol=1e-12, atol=0) and got.min() >= floor / len(w)
+        assert np.allclose(sampling_weights(tracker.pass_rate(), mode, progress, 0.2, g), w, rtol=1e-12)
+    if mode == "medium":  # an estimate near 0: w = G p (1 - (G - 1) p / 2) to second order, not lost to cancellation
+        tiny = 1e-13  # 1 - (1 - p)^8 in floats is off by ~1e-4 of it here
+        w = sampling_weights(np.array([tiny]), mode, progress, 0.2, 8)[0]
+        assert w == pytest.approx(8 * tiny * (1 - 3.5 * tiny), rel=1e-9, abs=0)
 
 
 def test_draws_are_without_replacement_and_follow_successive_sampling():
@@ -202,7 +210,7 @@ def test_medium_sampling_no_longer_collapses_onto_a_few_prompts():
     """A tracker where 10 of 100 prompts look medium and the rest look solved: 16-prompt steps draw 16 distinct
     prompts, and the floor gives every prompt a chance ((1 - f) w_i / sum w + f / N >= f / N)."""
     tracker = tracker_with([(4, 8)] * 10 + [(8, 8)] * 90)
-    p = draw_probabilities(tracker.pass_rate(), "medium", 0.0, 0.25)
+    p = draw_probabilities(tracker.pass_rate(), "medium", 0.0, 0.25, 0.2, 8)
     drawn = [draw_prompts(p, 1, step, 16) for step in range(200)]
     assert all(len(set(d)) == 16 for d in drawn) and p.min() >= 0.25 / 100
     assert len({i for d in drawn for i in d}) > 80  # the solved-looking prompts are revisited too
@@ -218,7 +226,7 @@ def test_every_rank_draws_the_same_list_and_takes_its_slice():
         + grpo.step_indices(4, 30, 4, args.seed, 1, 2, data.draw(4))
         == whole
     )
-    probs = draw_probabilities(tracker.pass_rate(), "medium", 0.4, args.uniform_floor, args.curriculum_min_target)
+    probs = draw_probabilities(tracker.pass_rate(), "medium", 0.4, args.uniform_floor, 0.2, data.group_size)
     assert whole == draw_prompts(probs, args.seed, 4, 8) and len(set(whole)) == 8
     assert whole != grpo.step_indices(5, 30, 8, args.seed, 0, 1, data.draw(5))  # a fresh draw each step
 
