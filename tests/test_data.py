@@ -128,7 +128,7 @@ def test_the_graded_task_ranges_from_trivial_to_hopeless(toy_assets):
     easy, medium, hard = rows[0::3], rows[1::3], rows[2::3]  # the levels in turn
     assert len(rows) == 96 and max(int(r["answer"]) for r in easy) <= 2 and max(int(r["answer"]) for r in medium) <= 8
     assert min(int(r["answer"]) for r in hard) >= 100
-    assert all(eval(r["question"].rstrip("=")) == int(r["answer"]) for r in rows)
+    assert all(sum(map(int, r["question"].rstrip("=").split("+"))) == int(r["answer"]) for r in rows)
     assert min(len(tok(r["answer"])["input_ids"]) for r in hard) > 2
     for level in ("easy", "medium", "hard"):
         assert len(open(toy_assets[f"test_{level}"]).readlines()) == 32

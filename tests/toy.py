@@ -25,24 +25,16 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def arithmetic_rows(n: int, seed: int, max_operand: int = 4) -> list[dict[str, str]]:
-    """`n` rows {"question": "3+1=", "answer": "4"}; operands drawn uniformly from 0..max_operand."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
-    return rows
-
-
-# Operand ranges of the graded task: sums the model masters early, the toy task's own, and two-digit sums whose
-# answers (100..198, three tokens) do not fit in the 2 new tokens of the quickstart, i.e. never solved.
+# Operand ranges: "medium" is the toy task's own (a, b in 0..4); the graded task adds sums the model masters early
+# and two-digit sums whose answers (100..198, three tokens) do not fit in the 2 new tokens of the quickstart, i.e.
+# never solved.
 LEVELS = {"easy": (0, 1), "medium": (0, 4), "hard": (50, 99)}
 
 
-def graded_rows(n: int, seed: int, levels: tuple[str, ...] = tuple(LEVELS)) -> list[dict[str, str]]:
-    """`n` rows cycling through `levels` (LEVELS' operand ranges): a dataset whose prompts range from trivial to
-    hopeless for the toy model, as a real dataset does for a real one, for the data strategies' measurements."""
+def sum_rows(n: int, seed: int, levels: tuple[str, ...] = ("medium",)) -> list[dict[str, str]]:
+    """`n` rows {"question": "3+1=", "answer": "4"} cycling through `levels` (LEVELS' operand ranges, drawn
+    uniformly). The default is the toy task; all three levels make the graded task, whose prompts range from
+    trivial to hopeless for the toy model, as a real dataset's do for a real one."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -62,7 +54,7 @@ def write_rows(path: str, rows: list[dict[str, str]]) -> str:
 
 def write_dataset(path: str, n: int = 256, seed: int = 0) -> str:
     """Writes the arithmetic rows as JSON lines to `path` and returns it."""
-    return write_rows(path, arithmetic_rows(n, seed))
+    return write_rows(path, sum_rows(n, seed))
 
 
 def build_tokenizer(out_dir: str):
@@ -71,7 +63,7 @@ def build_tokenizer(out_dir: str):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import Qwen2Tokenizer
 
-    corpus = [f"{r['question']}{r['answer']}" for r in arithmetic_rows(2000, seed=123)]
+    corpus = [f"{r['question']}{r['answer']}" for r in sum_rows(2000, seed=123)]
     corpus += ["The answer is \\boxed{7}. Answer: 3", "Solve the problem step by step. user assistant system"]
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(corpus, vocab_size=300, min_frequency=1, special_tokens=SPECIAL_TOKENS)
@@ -125,10 +117,10 @@ def build_all(root: str) -> dict[str, str]:
         "model": build_model(os.path.join(root, "model")),
         "train": write_dataset(os.path.join(root, "train.jsonl"), n=512, seed=0),
         "test": write_dataset(os.path.join(root, "test.jsonl"), n=64, seed=1),
-        "graded_train": write_rows(os.path.join(root, "graded_train.jsonl"), graded_rows(96, seed=2)),
+        "graded_train": write_rows(os.path.join(root, "graded_train.jsonl"), sum_rows(96, 2, tuple(LEVELS))),
     }
     for level in LEVELS:  # one test file per level, so each level has its own eval metrics
-        paths[f"test_{level}"] = write_rows(os.path.join(root, f"test_{level}.jsonl"), graded_rows(32, 3, (level,)))
+        paths[f"test_{level}"] = write_rows(os.path.join(root, f"test_{level}.jsonl"), sum_rows(32, 3, (level,)))
     return paths
 
 
