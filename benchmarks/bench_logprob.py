@@ -6,7 +6,7 @@
 Methods (weights and hidden states in --dtype, fp32 by default; same inputs; loss = token mean of -logp * adv):
   naive  full [tokens x vocab] fp32 logits, log_softmax, gather, entropy from the full distribution
   trl    full fp32 logits, TRL's `selective_log_softmax` + `entropy_from_logits` (if trl is installed)
-  ours   common.loss.chunked_logprobs: chunks of `--chunk` rows, logits recomputed in the backward
+  ours   common.logprobs.chunked_logprobs: chunks of `--chunk` rows, logits recomputed in the backward
   triton ours with kernel="triton": the fused Triton forward (common/triton_logprobs.py), same backward;
          CUDA only (skipped with a note on a CPU)
 
@@ -40,7 +40,7 @@ def run_one(method: str, vocab: int, tokens: int, hidden: int, chunk: int, repea
     import torch
 
     sys.path.insert(0, ROOT)
-    from common.loss import chunked_logprobs
+    from common.logprobs import chunked_logprobs
 
     cuda = torch.cuda.is_available()
     device, dt = ("cuda" if cuda else "cpu"), getattr(torch, dtype)

@@ -43,7 +43,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import grpo
-    from common.loss import TokenLogProbs
+    from common.logprobs import TokenLogProbs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -87,7 +87,7 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
         args = grpo.Args(beta=0.0, num_mini_batches=1, ppo_epochs=1, **flags)
-        plan = grpo.micro_batches(list(range(n)), lens, args.micro_batch_size, args.micro_batch_tokens)
+        plan = grpo.micro_batches(list(range(n)), lens, args)
         tokens = sum(len(r) * (pw + cw) for r, pw, cw in plan)
         times = []
         for i in range(a.repeats + 1):

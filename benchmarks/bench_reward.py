@@ -97,7 +97,7 @@ def main() -> None:
         start = time.perf_counter()
         reward.score([r"\boxed{\frac{1}{2}}"], ["0.5"])  # starts the pool (n >= 1)
         cold = time.perf_counter() - start
-        latex, plain = rate(lambda seed: batch(seed, exact=False), a.repeats), rate(integer_batch, a.repeats)
+        latex, plain = (rate(lambda seed: batch(seed, exact=False), a.repeats), rate(integer_batch, a.repeats))
         lines.append(f"| {n} | {cold:.2f} | {latex:.0f} | {plain:.0f} |")
         print(lines[-1], flush=True)
     table = "\n".join(lines)

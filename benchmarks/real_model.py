@@ -37,11 +37,7 @@ sys.path.insert(0, ROOT)
 # soft overlong zone is the last 16 of the 64 tokens (its default 4096 would cover every length). dr_grpo keeps its
 # defaults (8 updates per rollout, as oat).
 DAPO_BUDGET = ["--max-gen-batches", "2", "--num-mini-batches", "1", "--warmup-steps", "0"]
-PER_SCRIPT = {
-    "grpo": ["--beta", "0"],
-    "dapo": [*DAPO_BUDGET, "--overlong-buffer-len", "16"],
-    "cispo": DAPO_BUDGET,
-}
+PER_SCRIPT = {"grpo": ["--beta", "0"], "dapo": [*DAPO_BUDGET, "--overlong-buffer-len", "16"], "cispo": DAPO_BUDGET}
 
 
 def common_flags(data: str, a) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -184,15 +185,14 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
     return float(np.mean([score[a] for a in tied]))
 
 
-def evaluate(
-    sampler, eval_sets, k: int, temperature: float, top_p: float, max_new_tokens: int, answer_format: str
-) -> dict[str, float]:
-    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k samples per
-    question at `temperature` (0: greedy, top_p then 1), the final answer read in `answer_format` (a resolved one,
-    not "auto")."""
-    metrics, fmt, top_p = {}, answer_format, top_p if temperature > 0 else 1.0
+def evaluate(sampler, eval_sets, args) -> dict[str, float]:
+    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k =
+    --eval-samples per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
+    --eval-max-new-tokens, the final answer read in the run's resolved --reward-format."""
+    k, fmt, temperature, start = (args.eval_samples, args.reward_format, args.eval_temperature, time.time())
+    top_p, metrics = args.eval_top_p if temperature > 0 else 1.0, {}
     for name, (prompts, golds) in eval_sets.items():
-        texts = [o.text for o in sampler.generate(prompts, k, temperature, top_p, max_new_tokens)]
+        texts = [o.text for o in sampler.generate(prompts, k, temperature, top_p, args.eval_max_new_tokens)]
         correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
         short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
@@ -200,6 +200,81 @@ def evaluate(
         metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
         finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
         metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
+    metrics["time/eval"] = time.time() - start
+    return metrics
+
+
+def gather(accelerator, x: torch.Tensor) -> torch.Tensor:
+    """Every rank's values of `x` (flattened, as float) in one 1-D tensor; ranks may hold different counts."""
+    x = accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))
+    x = accelerator.gather(x)
+    return x[~x.isnan()]
+
+
+# the stats an update keeps as running extremes (min / max over micro-batches, then over ranks); the others are means
+EXTREMES = {
+    "rollout_corr_weight_min": torch.minimum,
+    "rollout_corr_weight_max": torch.maximum,
+    "logprob_diff_max": torch.maximum,
+}
+
+
+def add_stats(sums: dict[str, torch.Tensor], stats: dict[str, torch.Tensor], weight: float) -> None:
+    """Adds one micro-batch's stats (0-d tensors) to `sums`: weight * value, so that with weight 1 / (updates per
+    rollout) the sums are means over the rollout, or the running min / max for the keys of EXTREMES. On the device."""
+    for k, v in stats.items():
+        v = v.detach()
+        if k in EXTREMES:
+            sums[k] = EXTREMES[k](sums[k], v) if k in sums else v
+        else:
+            sums[k] = sums.get(k, 0.0) + v * weight
+
+
+class Timer:
+    """Seconds spent in each phase of a step: `lap(name)` adds the time since the previous lap to `name`."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.time()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def elapsed(self) -> float:
+        return time.time() - self.start
+
+
+def step_metrics(accelerator, completions, correct, rewards, reward_info, stats, timer, group_size) -> dict:
+    """A step's metrics over all ranks (docs/metrics.md). completions, correct [N], rewards [N]: the policy's own
+    samples (before injection or replay) and their verdicts; reward_info: common.reward.score's counts; stats: the
+    update's sums (update_policy: means over the rollout, EXTREMES as extremes) and values that are the same on every
+    rank (floats); timer: the step's phases."""
+    device = correct.device
+    lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
+    truncated = torch.tensor([c.truncated for c in completions], device=device)
+    all_lengths = gather(accelerator, lengths)
+    counts = [reward_info["timeouts"] + reward_info["errors"], reward_info["format_errors"]]
+    failed, format_errors = accelerator.reduce(torch.tensor(counts, device=device, dtype=torch.float64), "sum")
+    metrics = rollout_metrics(
+        gather(accelerator, correct),
+        all_lengths,
+        gather(accelerator, rewards),
+        gather(accelerator, truncated),
+        group_size,
+    )
+    metrics["train/reward_timeouts"] = failed.item()  # verifications that timed out or failed, scored 0
+    metrics["train/format_error_frac"] = format_errors.item() / len(all_lengths)
+    metrics.update(health_metrics([c.text for c in completions], correct, lengths, group_size, accelerator))
+    for k, v in stats.items():
+        if isinstance(v, torch.Tensor):
+            v = gather(accelerator, v)
+            v = v.mean() if k not in EXTREMES else (v.min() if EXTREMES[k] is torch.minimum else v.max())
+        metrics[f"train/{k}"] = float(v)
+    step_time = timer.elapsed()
+    metrics.update({f"time/{k}": v for k, v in timer.laps.items()})
+    metrics.update({"time/step": step_time, "time/tokens_per_s": all_lengths.sum().item() / step_time})
     return metrics
 
 

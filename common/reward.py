@@ -465,7 +465,7 @@ def score(
         raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
-    scores, counts = [0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0}
+    scores, counts = ([0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0})
     key = {"timeout": "timeouts", "error": "errors", "no_answer": "no_answer"}
     tasks: list[tuple[int, str | None, str]] = []
     for i, (completion, gold) in enumerate(zip(completions, answers)):

@@ -36,6 +36,7 @@ import os
 import socket
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -55,6 +56,14 @@ __all__ = [
 ]
 
 SAMPLER_KINDS = ("auto", "vllm", "hf")
+# vLLM loggers that report on every weight push: layerwise reload warns "<layer>: Failed to load weights" for the
+# layers a push rightly omits (a tied output layer, rotary caches: the log-prob canary checks the result), and the
+# reload's timing and the prefix-cache reset are logged at INFO level each time
+QUIET_VLLM_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.v1.core.block_pool",
+)
 # Attribute names that training wrappers insert into parameter names: DDP / DeepSpeed (`module.`),
 # torch.compile (`_orig_mod.`), FSDP1 (`_fsdp_wrapped_module.`), activation checkpointing.
 WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -84,6 +93,13 @@ class Sampler(Protocol):
         """Returns len(prompt_token_ids) * n completions, groups contiguous: [p0 s0..s(n-1), p1 s0.., ...]."""
         ...
 
+    def submit(
+        self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
+    ) -> Future:
+        """`generate` in the background where the sampler can (a server); a future of its result. The weights it
+        samples are those of the call."""
+        ...
+
     def update_weights(self, model: nn.Module) -> None:
         """Make the sampler generate from `model`'s current weights."""
 
@@ -96,6 +112,9 @@ class Sampler(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores `state_dict()`."""
         ...
+
+    def close(self) -> None:
+        """Releases the sampler's engine (while the process groups it may use still exist); idempotent."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -146,6 +165,26 @@ def _named_checkpoint_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]
                 continue
             seen.add(id(t))
             yield _clean_name(prefix + name), t
+
+
+def _lora_merged_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A peft LoRA model's weights as the base model's checkpoint has them, merged: W + (alpha / r) B A for every
+    adapted layer (peft's `get_delta_weight`, computed apart: the base weights are never merged in place and
+    unmerged, so they cannot drift), under the base names (`base_model.model.` and `.base_layer` stripped, the
+    adapters' own tensors left out). Single process or DDP only (common/run.py refuses LoRA under FSDP / ZeRO-3)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and mod.active_adapters:
+            with torch.no_grad():
+                delta = sum(mod.get_delta_weight(a) for a in mod.active_adapters if a in mod.lora_A)
+            deltas[_clean_name(name) + ".base_layer.weight"] = delta
+    for name, t in _named_checkpoint_tensors(model):
+        if ".lora_" in name:
+            continue
+        base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        yield base, (t.detach() + deltas[name].to(t.dtype) if name in deltas else t)
 
 
 def _is_zero3(t: Tensor) -> bool:
@@ -204,6 +243,9 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterat
     those libraries when their context exits, so those tensors are copied and stay valid after the
     iteration. dtype and device are the trainer's; the consumer casts.
 
+    A peft LoRA model yields its merged weights, W + (alpha / r) B A, under the base model's names
+    (`_lora_merged_tensors`).
+
     A bucket holds whole tensors, at most `bucket_bytes` of them, except a single tensor larger than that,
     which gets a bucket of its own. Order is `state_dict` order, so each layer's weights arrive together
     (what vLLM's layerwise reload wants). Every rank must iterate in step: the gathers are collective.
@@ -217,7 +259,9 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterat
 
         ctx = FSDP.summon_full_params(fsdp1, writeback=False, recurse=True)
     with ctx:
-        items = list(_named_checkpoint_tensors(unwrap_model(model)))
+        base = unwrap_model(model)
+        peft = hasattr(base, "peft_config")  # LoRA: the merged weights (a fresh tensor per adapted layer)
+        items = list((_lora_merged_tensors if peft else _named_checkpoint_tensors)(base))
         buckets: list[list[tuple[str, Tensor]]] = []
         size = 0
         for name, t in items:
@@ -341,6 +385,10 @@ class HFSampler:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
 
+    def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> Future:
+        """`generate` now (in this process), as a completed future."""
+        return _done(self.generate(prompt_token_ids, n, temperature, top_p, max_new_tokens))
+
     def update_weights(self, model: nn.Module) -> None:
         """No-op: `generate` always runs the live policy, so it already has the current weights."""
 
@@ -354,6 +402,9 @@ class HFSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = int(state["calls"])
+
+    def close(self) -> None:
+        """No-op (no engine)."""
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
@@ -486,6 +537,13 @@ def _check_request(prompt_token_ids: Sequence[Sequence[int]], n: int, max_new_to
         raise ValueError("empty prompt: every prompt needs at least one token")
 
 
+def _done(result) -> Future:
+    """A future that already holds `result`: what an in-process sampler's `submit` returns (it generated at once)."""
+    future: Future = Future()
+    future.set_result(result)
+    return future
+
+
 def _copy(c: Completion) -> Completion:
     return Completion(list(c.token_ids), c.text, c.truncated, None if c.logprobs is None else list(c.logprobs))
 
@@ -570,7 +628,7 @@ def _preserve_process_state():
 
     import numpy as np
 
-    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    py_state, np_state, torch_state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
@@ -695,6 +753,8 @@ class VLLMSampler:
         self.bucket_bytes = bucket_bytes
         self.cpu_threads = cpu_threads
         self._weights_valid = True  # False after a level-2 sleep until the next update_weights
+        for name in QUIET_VLLM_LOGGERS:  # each push's expected notes, e.g. "ParallelLMHead: Failed to load weights"
+            logging.getLogger(name).setLevel(logging.ERROR)
 
     # sleep mode ---------------------------------------------------------------------------------------
     def is_sleeping(self) -> bool:
@@ -720,9 +780,22 @@ class VLLMSampler:
         return {"calls": self.calls}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.calls = int(state.get("calls", 0))
+        self.calls = int(state["calls"])
+
+    def close(self) -> None:
+        """Shuts the engine down now, while the trainer's process groups exist. vLLM's own shutdown (a finaliser run
+        at exit) destroys its groups and the default one; after the trainer destroyed those it raised
+        `ValueError: Invalid process group specified`. Idempotent."""
+        client = getattr(getattr(self, "llm", None), "llm_engine", None)
+        client = getattr(client, "engine_core", None)
+        if client is not None:
+            client.shutdown()
 
     # Sampler -----------------------------------------------------------------------------------------
+    def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> Future:
+        """`generate` now (in this process), as a completed future."""
+        return _done(self.generate(prompt_token_ids, n, temperature, top_p, max_new_tokens))
+
     def update_weights(self, model: nn.Module) -> None:
         """Pushes `model`'s current weights into the engine (see the class docstring); call it on every rank."""
         sleeping = self.enable_sleep_mode and self.is_sleeping()

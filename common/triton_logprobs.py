@@ -16,10 +16,10 @@ When a tile raises the max from m to m', the old sums are rescaled by exp(m - m'
 entropy = lse - E[z] = log s - a / s, the entropy never subtracts two large numbers. (Keeping a relative to
 m is the same algorithm as summing exp(z - m) z; it only avoids that cancellation for large logits.)
 
-Only the forward is here. `common.loss._ChunkedLogProbs` saves the returned lse and runs its usual chunked
+Only the forward is here. `common.logprobs._ChunkedLogProbs` saves the returned lse and runs its usual chunked
 PyTorch backward, which recomputes each chunk's logits from hidden and weight.
 
-This module imports triton at the top; common.loss imports it only when kernel="triton" is asked for.
+This module imports triton at the top; common.logprobs imports it only when kernel="triton" is asked for.
 On a CPU (tests) set TRITON_INTERPRET=1 before triton is first imported: `triton.jit` reads it when the
 kernel below is decorated.
 """

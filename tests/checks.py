@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from common.loss import grad_normalizers
+from common.batching import grad_normalizers
 from tests.fp_bounds import gamma
 from tests.reference import group_advantages
 
@@ -53,7 +53,7 @@ def assert_micro_batches_add_up(
     compute_policy_loss, logps, old, adv, mask, args, stat_keys=(), chunks=MICRO_CHUNKS, **extra
 ):
     """The loss, its gradient and the `stat_keys` stats of the whole mini-batch equal the sums over its
-    micro-batches when each gets the mini-batch's normalisers (common.loss.grad_normalizers). `extra` tensors
+    micro-batches when each gets the mini-batch's normalisers (common.batching.grad_normalizers). `extra` tensors
     ([B, ...]) are sliced like the batch. Returns the whole mini-batch's (loss, stats)."""
     logps = logps.detach().requires_grad_(True)
     loss, stats = compute_policy_loss(logps, old, adv, mask, args, **extra)
@@ -96,7 +96,7 @@ def on_policy_pair():
     """Two answers of 1 and 4 tokens at r = 1 (log-probs 0, old ones equal) with A = +1 and -1: the gradient shows how
     an aggregation weighs a token of a short and of a long answer. Returns (logps [2, 4] requiring grad, mask, adv)."""
     logps = torch.zeros(2, 4, dtype=torch.float64, requires_grad=True)
-    return logps, torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    return (logps, torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]]), torch.tensor([1.0, -1.0], dtype=torch.float64))
 
 
 def clip_probe():

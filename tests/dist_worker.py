@@ -47,7 +47,7 @@ def main() -> None:
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
     from transformers import AutoModelForCausalLM
 
-    from common.loss import TokenLogProbs
+    from common.logprobs import TokenLogProbs
     from common.run import close_run
 
     script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -33,8 +33,8 @@ def gamma(n: int, dtype: torch.dtype) -> float:
 
 def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, rounded_to=None) -> dict[str, torch.Tensor]:
     """Bounds on the error of log softmax(h @ w.T / T)[target], its entropy and logsumexp, computed in `dtype`
-    (either path of common.loss.chunked_logprobs, or a float64 reference when dtype is float64), and, with
-    `upstream` (d loss / d logp), of the gradients d(hidden) and d(weight) of common.loss's chunked backward.
+    (either path of common.logprobs.chunked_logprobs, or a float64 reference when dtype is float64), and, with
+    `upstream` (d loss / d logp), of the gradients d(hidden) and d(weight) of common.logprobs' chunked backward.
 
     h: [N, H], w: [V, H] (the values the computation saw, any dtype; evaluated in fp64 here), targets: [N].
     rounded_to: a half dtype that the logits, the backward's d logits and d(hidden) / d(weight) are stored in

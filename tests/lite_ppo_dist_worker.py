@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def rewards_of_the_rollout() -> torch.Tensor:
     # rank 0's half is mostly right, rank 1's half mostly wrong, so their local stds differ from the global one
     return torch.tensor(
-        [1, 1, 1, 0, 1, 1, 1, 1, 1, 0.5, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0.25, 0],
-        dtype=torch.float64,
+        [1, 1, 1, 0, 1, 1, 1, 1, 1, 0.5, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0.25, 0], dtype=torch.float64
     )
 
 

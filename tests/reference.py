@@ -29,7 +29,7 @@ def k3(logp: float, ref: float) -> float:
 
 
 def aggregate(per_token: list[list[float]], mask: list[list[int]], mode: str, max_len: int | None = None) -> float:
-    """The aggregation modes of common.loss, by loops."""
+    """The aggregations the scripts write (token mean, sequence mean, constant), by loops."""
     if mode == "token-mean":
         tot = sum(v for row, m in zip(per_token, mask) for v, k in zip(row, m) if k)
         return tot / sum(sum(m) for m in mask)

@@ -88,7 +88,7 @@ def test_mean_interval_and_welch_difference_against_a_hand_computation(tmp_path)
     runs = [fake_run(tmp_path, f"base__{i + 1}__{i}", v) for i, v in enumerate(a)]
     runs += [fake_run(tmp_path, f"high__{i + 1}__{i + 10}", v) for i, v in enumerate(b)]
     rows = csv_rows(cli(*runs, "--csv"))
-    base, high = rows[("train/accuracy", "final", "base")], rows[("train/accuracy", "final", "high")]
+    base, high = (rows[("train/accuracy", "final", "base")], rows[("train/accuracy", "final", "high")])
     # by hand: 0.4 ± t(0.975, 2) * 0.2 / sqrt(3), t(0.975, 2) = 4.302653 (0.95 / sqrt(2 * 0.975 * 0.025))
     assert (int(base["n"]), base["seeds"]) == (3, "1 2 3")
     assert float(base["mean"]) == pytest.approx(0.4, abs=1e-12)

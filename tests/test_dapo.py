@@ -374,7 +374,7 @@ def test_dynamic_sampling_metrics_and_resume_replays_the_data(toy_assets, tmp_pa
     run_script("dapo", _flags(toy_assets, part, 2, **{"exp-name": "a"}))
     (run_dir,) = glob.glob(os.path.join(part, "a__*"))
     with open(os.path.join(run_dir, "checkpoints", "step_2", "trainer.json")) as f:
-        assert json.load(f)["data"]["rounds"] == sum(r["train/gen_rounds"] for r in rows[:2])
+        assert json.load(f)["data"]["position"] == sum(r["train/gen_rounds"] for r in rows[:2])
     proc = run_script("dapo", _flags(toy_assets, part, 4, **{"exp-name": "a", "resume": run_dir}))
     assert "resumed from" in proc.stdout
     resumed = read_metrics(run_dir)

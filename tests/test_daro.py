@@ -197,7 +197,7 @@ def test_clipped_tokens_get_no_gradient_and_are_counted():
 
 
 def test_micro_batches_sum_to_the_mini_batch_loss_gradient_and_stats():
-    from common.loss import grad_normalizers
+    from common.batching import grad_normalizers
 
     args = make_args()
     rewards, mask, old, logps = rollout(4)
@@ -342,7 +342,8 @@ def test_update_policy_steps_the_weights_then_uses_them(given):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = policy.theta.detach().clone()
     w = state if given else None  # main's weights, or update_policy's own (w = 1)
-    sums, _, skipped = daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0, daro=w)
+    sums = daro.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0, daro=w)
+    skipped = sums["skipped_updates"]
     assert skipped == 0
     # expected: one w step on the whole mini-batch's M_mu (from the loops), then the loss gradient with those w
     bucket = daro.pass_rate_bucket(rewards, args)

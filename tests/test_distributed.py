@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,11 +78,11 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
     mod = importlib.import_module(script)
     assert mod.Args().micro_batch_tokens > 0  # token budgets are the default
     g = torch.Generator().manual_seed(0)
-    prompts, completions = torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g)
+    prompts, completions = (torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g))
     lens = [(int(p), int(c)) for p, c in zip(prompts, completions)]
     rows = torch.randperm(200, generator=g).tolist()[:150]
     for tokens, cap in [(1000, 256), (1000, 3), (8192, 256), (200, 256), (0, 7)]:
-        plan = mod.micro_batches(rows, lens, cap, tokens)
+        plan = mod.micro_batches(rows, lens, SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens))
         assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
         for group, p_w, c_w in plan:
             assert (p_w, c_w) == (max(lens[r][0] for r in group), max(lens[r][1] for r in group))
@@ -157,7 +158,7 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from common.loss import TokenLogProbs
+    from common.logprobs import TokenLogProbs
     from tests.dist_worker import fixed_rollout
 
     mod = importlib.import_module(script)

@@ -20,6 +20,15 @@ def doc(name: str) -> str:
         return f.read()
 
 
+def test_flags_doc_is_generated_from_the_scripts():
+    """docs/flags.md is tools/flags_doc.py's output, so its defaults and help texts are the scripts' own."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "flags_doc.py"), "--check"], capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()[-500:]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_flag_is_documented(script):
     text = doc("docs/flags.md")

@@ -218,8 +218,8 @@ def test_evaluation_does_not_apply_the_truncation_rule():
         def generate(self, prompts, k, temperature, top_p, max_new_tokens):
             return [Completion([1, 2], r"so \boxed{4}, and then", truncated=True) for _ in prompts for _ in range(k)]
 
-    args = dr_grpo.Args(eval_samples=2)
+    args = dr_grpo.Args(eval_samples=2, eval_temperature=0.0, eval_max_new_tokens=8, reward_format="boxed")
     assert args.truncated_reward == "zero"
-    metrics = evaluate(Sampler(), {"toy.jsonl": ([[5]], ["4"])}, args.eval_samples, 0.0, 1.0, 8, "boxed")
+    metrics = evaluate(Sampler(), {"toy.jsonl": ([[5]], ["4"])}, args)
     assert metrics["eval/toy/avg@2"] == metrics["eval/toy/pass@2"] == metrics["eval/toy/maj@2"] == 1.0
     assert dr_grpo.compute_rewards(torch.tensor([1.0]), torch.tensor([2]), torch.tensor([True]), args).item() == 0.0

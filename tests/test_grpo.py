@@ -107,14 +107,7 @@ def test_micro_batches_sum_to_the_mini_batch_gradient():
     rewards, mask, old, logps, ref = rollout(2)
     adv = grpo.compute_advantages(rewards, args)
     assert_micro_batches_add_up(
-        grpo.compute_policy_loss,
-        logps,
-        old,
-        adv,
-        mask,
-        args,
-        stat_keys=(*PPO_CLIP_STATS, "kl_ref"),
-        ref_logps=ref,
+        grpo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=(*PPO_CLIP_STATS, "kl_ref"), ref_logps=ref
     )
 
 
@@ -153,7 +146,8 @@ def test_update_policy_canary_is_the_mean_sampler_gap_before_any_step(tokens):
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = policy.theta.detach().clone()
-    sums, _, skipped = grpo.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    sums = grpo.update_policy(policy, optimizer, scheduler, SingleProcess(), batch, args, 0)
+    skipped = sums["skipped_updates"]
     first = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1_000_003))[
         : n // 2
     ]  # epoch 0, mini-batch 0

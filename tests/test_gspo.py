@@ -186,13 +186,7 @@ def test_micro_batches_sum_to_the_mini_batch_gradient_and_stats():
     rewards, mask, old, logps = rollout(2, near=0.02, far=0.2)
     adv = gspo.compute_advantages(rewards, args)
     _, stats = assert_micro_batches_add_up(
-        gspo.compute_policy_loss,
-        logps,
-        old,
-        adv,
-        mask,
-        args,
-        stat_keys=("seq_clip_frac", *PPO_CLIP_STATS),
+        gspo.compute_policy_loss, logps, old, adv, mask, args, stat_keys=("seq_clip_frac", *PPO_CLIP_STATS)
     )
     assert 0 < stats["seq_clip_frac"].item() < 1
 

@@ -1,4 +1,5 @@
-"""common/loss.py: chunked log-probs against full log-softmax, and the global normalisers across micro-batches."""
+"""common/logprobs.py and common/batching.py: chunked log-probs against full log-softmax, and the global normalisers
+across micro-batches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import importlib
 import pytest
 import torch
 
-from common.loss import TokenLogProbs, chunked_logprobs, grad_normalizers
+from common.batching import grad_normalizers
+from common.logprobs import TokenLogProbs, chunked_logprobs
 from tests.checks import assert_micro_batches_add_up
 from tests.fp_bounds import assert_within, logprob_error_bounds
 

@@ -60,8 +60,9 @@ def test_reflection_words_and_accuracy_split():
 
 
 def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
-    """grpo.evaluate with a scripted sampler: 2 questions x k=4 samples with known answers."""
+    """common.metrics.evaluate with a scripted sampler: 2 questions x k=4 samples with known answers."""
     import grpo
+    from common.metrics import evaluate
     from common.sampling import Completion
 
     class Scripted:
@@ -72,7 +73,8 @@ def test_evaluate_scores_avg_pass_and_majority_on_the_toy_set():
             }  # gold 4 (2/4 right, majority 4); gold 3 (1/4, majority 2)
             return [Completion(token_ids=[1], text=t, truncated=False) for q in range(len(prompts)) for t in texts[q]]
 
-    metrics = grpo.evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, 4, 0.0, 1.0, 8, "any")
+    args = grpo.Args(eval_samples=4, eval_temperature=0.0, eval_max_new_tokens=8, reward_format="any")
+    metrics = evaluate(Scripted(), {"data/toy.jsonl": ([[1], [2]], ["4", "3"])}, args)
     assert metrics["eval/toy/avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
     assert metrics["eval/toy/pass@4"] == 1.0
     assert metrics["eval/toy/maj@4"] == pytest.approx(0.5)

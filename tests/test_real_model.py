@@ -187,21 +187,24 @@ def test_every_script_runs_on_the_real_model(script, sampler, smol, out_dir):
 
 
 def test_the_readmes_cpu_command_runs_as_written(smol, out_dir):
-    """README's main CPU job, word for word, with /tmp/smol pointed at the test's copy and a smaller budget appended
-    (later flags win): a renamed flag or a wrong path in the README fails here."""
+    """README's main CPU job, word for word (examples/smollm2_cpu.sh), with SMOL pointed at the test's copy and a
+    smaller budget appended (later flags win): a renamed flag or path in the README or the example fails here."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    start = text.index("    python tools/smollm2.py /tmp/smol && python grpo.py")
-    block = text[start : text.index("\n\n", start)].replace("\\\n", " ")
-    convert, train = (shlex.split(part) for part in block.split("&&"))
-    assert convert == ["python", "tools/smollm2.py", "/tmp/smol"]
-    out = os.path.dirname(smol["model"])
-    args = [a.replace("/tmp/smol", out) for a in train[2:]]
+    command = "    bash examples/smollm2_cpu.sh\n"
+    assert command in text
     small = ["--total-steps", "1", "--eval-every", "1", "--eval-limit", "2", "--group-size", "2", "--prompts-per-step"]
     small += ["1", "--max-new-tokens", "8", "--eval-max-new-tokens", "8", "--output-dir", str(out_dir)]
     proc = subprocess.run(
-        [sys.executable, train[1], *args, *small], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
+        [*shlex.split(command), *small],
+        cwd=ROOT,
+        env={**env(), "SMOL": os.path.dirname(smol["model"])},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (run_dir,) = glob.glob(os.path.join(out_dir, "grpo__1__*"))
     assert "eval/test/avg@2" in read_metrics(run_dir)[-1]
+    assert json.load(open(os.path.join(run_dir, "args.json")))["beta"] == 0  # grpo.py runs without a reference

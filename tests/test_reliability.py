@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 import grpo
 from common import reward, run
+from common.data import encode_prompts
 from tests.checks import reward_wall_bound
 from tests.test_scripts import ROOT, read_metrics, run_script
 
@@ -196,13 +197,13 @@ def test_hard_kill_after_a_periodic_save_then_resume_matches_uninterrupted(toy_a
     proc.send_signal(signal.SIGKILL)  # no handler, no cleanup: maybe mid-step, maybe mid-save of step_4
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    assert [os.path.basename(c) for c in grpo.complete_checkpoints(run_dir)] in (["step_2"], ["step_2", "step_4"])
+    assert [os.path.basename(c) for c in run.complete_checkpoints(run_dir)] in (["step_2"], ["step_2", "step_4"])
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write('{"step": 4, "train/reward_me')  # and a row cut short by the kill
     proc = run_script("grpo", flags + ["--resume", run_dir])
     assert "resumed from" in proc.stdout
     assert_metrics_match(read_metrics(run_dir), uninterrupted, RESUME_STEPS)
-    assert [os.path.basename(c) for c in grpo.complete_checkpoints(run_dir)] == ["step_4", f"step_{RESUME_STEPS}"]
+    assert [os.path.basename(c) for c in run.complete_checkpoints(run_dir)] == ["step_4", f"step_{RESUME_STEPS}"]
     assert not glob.glob(os.path.join(run_dir, "checkpoints", "*.tmp"))
 
 
@@ -219,7 +220,7 @@ def test_sigterm_saves_exits_zero_and_resume_matches_uninterrupted(toy_assets, t
     done = len(read_metrics(run_dir))
     assert 2 <= done < RESUME_STEPS, "the signal should land mid-run"
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(done))
-    assert [os.path.basename(c) for c in grpo.complete_checkpoints(run_dir)] == [f"step_{done}"]
+    assert [os.path.basename(c) for c in run.complete_checkpoints(run_dir)] == [f"step_{done}"]
     proc = run_script("grpo", flags + ["--resume", run_dir])
     assert f"at step {done}" in proc.stdout
     assert_metrics_match(read_metrics(run_dir), uninterrupted, RESUME_STEPS)
@@ -240,13 +241,13 @@ def test_half_written_checkpoints_are_ignored_by_resume(toy_assets, tmp_path, ca
         json.dump({"step": 3, "sampler": [{}]}, f)
     shutil.copytree(os.path.join(ckpt, "step_2"), os.path.join(ckpt, "step_5"))
     os.remove(os.path.join(ckpt, "step_5", "trainer.json"))
-    assert [os.path.basename(c) for c in grpo.complete_checkpoints(run_dir)] == ["step_1", "step_2"]
+    assert [os.path.basename(c) for c in run.complete_checkpoints(run_dir)] == ["step_1", "step_2"]
     capsys.readouterr()
     grpo.main(make_args(toy_assets, out, total_steps=3, exp_name="h", resume=run_dir))
     assert f"resumed from {os.path.join(ckpt, 'step_2')} at step 2" in capsys.readouterr().out
     assert_metrics_match(read_metrics(run_dir), reference, 3)
     assert not os.path.exists(os.path.join(ckpt, "step_3.tmp"))
-    assert [os.path.basename(c) for c in grpo.complete_checkpoints(run_dir)] == ["step_2", "step_3"]
+    assert [os.path.basename(c) for c in run.complete_checkpoints(run_dir)] == ["step_2", "step_3"]
 
 
 def test_resume_without_a_complete_checkpoint_is_refused(toy_assets, tmp_path):
@@ -298,22 +299,13 @@ def test_too_many_unparseable_answers_are_refused_with_count_and_examples(toy_as
     assert not out.exists()
 
 
-def encoding(args) -> tuple:
-    return args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac
-
-
 def test_a_few_unparseable_answers_are_dropped_and_reported(toy_assets, capsys):
     from transformers import AutoTokenizer
 
     rows = bad_answer_rows(20, 2)
     tok = AutoTokenizer.from_pretrained(toy_assets["model"])
-    prompts, golds = grpo.encode_prompts(
-        [r["question"] for r in rows],
-        [r["answer"] for r in rows],
-        tok,
-        *encoding(make_args(toy_assets, "unused")),
-        "--dataset-name",
-    )
+    questions, answers = [r["question"] for r in rows], [r["answer"] for r in rows]
+    prompts, golds = encode_prompts(questions, answers, tok, make_args(toy_assets, "unused"), "--dataset-name")
     assert len(prompts) == len(golds) == 18 and "???" not in golds and "@@" not in golds
     assert "dropped 2 rows whose answer cannot be parsed" in capsys.readouterr().out
 
@@ -339,9 +331,8 @@ def test_long_prompts_are_filtered_and_counted(toy_assets, tmp_path, capsys):
 
     tok = AutoTokenizer.from_pretrained(toy_assets["model"])
     questions = ["1+2=", "1+2=" * 40, "3+1=", "4+4=" * 40, "0+0="]
-    prompts, golds = grpo.encode_prompts(
-        questions, ["3", "3", "4", "8", "0"], tok, *encoding(make_args(toy_assets, "unused")), "--dataset-name"
-    )
+    answers, args = ["3", "3", "4", "8", "0"], make_args(toy_assets, "unused")
+    prompts, golds = encode_prompts(questions, answers, tok, args, "--dataset-name")
     assert golds == ["3", "4", "0"] and all(len(p) <= 32 for p in prompts)
     assert "dropped 2 prompts longer than --max-prompt-tokens 32" in capsys.readouterr().out
 
@@ -684,7 +675,7 @@ def test_close_run_frees_process_groups_held_in_reference_cycles(tmp_path):
         pass
 
     holder = Holder()
-    holder.group, holder.me = dist.group.WORLD, holder  # a cycle: only the garbage collector frees it
+    holder.group, holder.me = (dist.group.WORLD, holder)  # a cycle: only the garbage collector frees it
     alive = weakref.ref(holder)
     del holder
     accelerator = types.SimpleNamespace(end_training=dist.destroy_process_group)

@@ -192,7 +192,7 @@ def test_the_help_names_trls_default_as_the_installed_trl_has_it():
 
     trl = pytest.importorskip("trl")
     cfg = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
-    mode, cap = cfg["vllm_importance_sampling_mode"].replace("_", "-"), cfg["vllm_importance_sampling_clip_max"]
+    mode, cap = (cfg["vllm_importance_sampling_mode"].replace("_", "-"), cfg["vllm_importance_sampling_clip_max"])
     assert cfg["vllm_importance_sampling_correction"] and mode in MODES
     want = f"TRL {'.'.join(trl.__version__.split('.')[:2])}'s default is {mode} with {cap:g}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,3 +201,32 @@ def test_the_help_names_trls_default_as_the_installed_trl_has_it():
             text = " ".join(f.read().split())  # docstrings wrap lines
         assert want in text and "verl's and oat's TIS" in text, name
         assert "masked (TRL's default)" not in text, name
+
+
+def test_the_canary_statistics_equal_a_float64_loop():
+    """`LogprobCanary` over two micro-batches against per-token loops in float64: |Δ| max and mean, the k3 sampler KL
+    (never negative, also when the log-probs agree to rounding) and the importance weights' effective sample size;
+    tokens outside the mask or without a sampler log-prob (NaN) do not count."""
+    from common.logprobs import LogprobCanary
+
+    torch.manual_seed(0)
+    canary, tokens = LogprobCanary(), []
+    for _ in range(2):
+        logps = -torch.rand(3, 5) * 3
+        sampler = logps + torch.randn(3, 5) * 0.3
+        sampler[0, 1] = float("nan")
+        sampler[1] = logps[1] + 1e-7  # equal to rounding: k3 of these tokens is 0, not a negative rounding error
+        mask = (torch.rand(3, 5) > 0.2).float()
+        canary.add(logps, sampler, mask)
+        tokens += [(float(a), float(b)) for a, b, k in zip(logps.flatten(), sampler.flatten(), mask.flatten())
+                   if k and not math.isnan(b)]  # fmt: skip
+    stats = {k: float(v) for k, v in canary.stats().items()}
+    d = [a - b for a, b in tokens]
+    w = [math.exp(x) for x in d]
+    assert stats["logprob_diff_max"] == pytest.approx(max(abs(x) for x in d), rel=1e-6)
+    assert stats["logprob_diff_mean"] == pytest.approx(sum(abs(x) for x in d) / len(d), rel=1e-6)
+    assert stats["sampler_kl"] == pytest.approx(sum(x - 1 - math.log(x) for x in w) / len(d), rel=1e-5)
+    assert stats["is_ess"] == pytest.approx(sum(w) ** 2 / (len(w) * sum(x * x for x in w)), rel=1e-6)
+    same = LogprobCanary()
+    same.add(torch.full((4, 8), -2.0), torch.full((4, 8), -2.0) + 3e-8, torch.ones(4, 8))
+    assert float(same.stats()["sampler_kl"]) >= 0 and float(same.stats()["is_ess"]) == pytest.approx(1.0)

@@ -64,6 +64,7 @@ def run_script(script: str, flags: list[str], timeout: int = 600) -> subprocess.
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a finished run ends quietly
     return proc
 
 
@@ -113,6 +114,37 @@ def test_evaluation_only_run_reads_no_training_data(script, toy_assets, tmp_path
     (run_dir,) = glob.glob(os.path.join(tmp_path, "eval__*"))
     (row,) = read_metrics(run_dir)
     assert row["step"] == 0 and {"eval/test/avg@2", "eval/test/pass@2", "eval/test/maj@2"} <= set(row)
+
+
+@pytest.mark.slow
+def test_evaluating_a_runs_last_checkpoint(toy_assets, tmp_path):
+    """--total-steps 0 --resume RUN_DIR evaluates RUN_DIR's last checkpoint in a new run directory, as evaluating its
+    model/ directory would, and leaves RUN_DIR as it was."""
+    train = str(tmp_path / "train")
+    run_script("grpo", toy_flags(toy_assets, train, 2, **{"exp-name": "t", "save-every": 1}))
+    (run_dir,) = glob.glob(os.path.join(train, "t__*"))
+    before = {name: open(os.path.join(run_dir, name)).read() for name in ("metrics.jsonl", "args.json")}
+    evaluation = {
+        "total-steps": 0,
+        "eval-every": 1,
+        "eval-datasets": toy_assets["test"],
+        "eval-prompt-column": "question",
+        "eval-answer-column": "answer",
+        "eval-samples": 2,
+        "eval-temperature": 1.0,
+        "eval-max-new-tokens": 3,
+    }
+    out = str(tmp_path / "eval")
+    run_script("grpo", toy_flags(toy_assets, out, **{**evaluation, "exp-name": "e", "resume": run_dir}))
+    last = os.path.join(run_dir, "checkpoints", "step_2", "model")
+    run_script("grpo", toy_flags(toy_assets, out, **{**evaluation, "exp-name": "m", "model-name-or-path": last}))
+    (resumed,), (direct,) = (glob.glob(os.path.join(out, f"{e}__*")) for e in "em")
+    (a,), (b,) = read_metrics(resumed), read_metrics(direct)
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+        k: v for k, v in b.items() if not k.startswith("time/")
+    }
+    assert "eval/test/avg@2" in a and json.load(open(os.path.join(resumed, "args.json")))["model_name_or_path"] == last
+    assert {name: open(os.path.join(run_dir, name)).read() for name in before} == before
 
 
 @pytest.mark.slow

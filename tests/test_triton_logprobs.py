@@ -1,5 +1,5 @@
 """common/triton_logprobs.py: the fused Triton forward against a float64 full-softmax reference and against
-the torch path of common.loss, through the same chunked backward.
+the torch path of common.logprobs, through the same chunked backward.
 
 Without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set below before the kernel module
 is imported: `triton.jit` reads it when the kernel is decorated). The interpreter runs fp32, fp64 and fp16
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from common import triton_logprobs  # noqa: E402  (imports triton; after TRITON_INTERPRET is set)
-from common.loss import TokenLogProbs, chunked_logprobs  # noqa: E402
+from common.logprobs import TokenLogProbs, chunked_logprobs  # noqa: E402
 from tests.fp_bounds import assert_within, logprob_error_bounds  # noqa: E402
 from tests.test_loss import naive  # noqa: E402  (the float64 full log-softmax reference)
 
@@ -37,7 +37,7 @@ def inputs(dtype, seed=0, scale=1.0):
     h = torch.randn(N, H, dtype=torch.float64, generator=g) * scale
     w = torch.randn(V, H, dtype=torch.float64, generator=g)
     t = torch.randint(0, V, (N,), generator=g)
-    t[0], t[-1] = 0, V - 1  # the first and last vocabulary entries, in the first and last row blocks
+    t[0], t[-1] = (0, V - 1)  # the first and last vocabulary entries, in the first and last row blocks
     return h.to(DEVICE, dtype), w.to(DEVICE, dtype), t.to(DEVICE)
 
 
@@ -131,7 +131,7 @@ def test_token_logprobs_triton_matches_torch_on_toy_qwen2(toy_assets):
         lp.sum().backward()
         out[kernel] = (lp, ent, {n: p.grad for n, p in lm.named_parameters() if p.grad is not None})
     (lp, ent, grads), (lp_t, ent_t, grads_t) = out["triton"], out["torch"]
-    hidden, weight = seen[0][:, 3:-1].reshape(-1, seen[0].shape[-1]), lm.get_output_embeddings().weight
+    hidden, weight = (seen[0][:, 3:-1].reshape(-1, seen[0].shape[-1]), lm.get_output_embeddings().weight)
     bound = logprob_error_bounds(hidden, weight, ids[:, 4:].reshape(-1), 0.7, torch.float64)  # tests/fp_bounds.py
     assert_within(lp, lp_t, 2 * bound["logps"].view_as(lp), "logps")
     assert_within(ent, ent_t, 2 * bound["entropy"].view_as(ent), "entropy")

@@ -1,5 +1,6 @@
 """Offline test assets: a tiny Qwen2 model with random weights, a byte-level BPE tokenizer trained on the
-fly, and a synthetic arithmetic dataset (docs/design.md "Tests"). Nothing is downloaded.
+fly, and a synthetic arithmetic dataset (docs/design.md "Tests"). Nothing is downloaded. `build_gemma3` builds a
+second family, a tiny Gemma-3 whose tokenizer adds BOS and has no chat template (a base model's).
 
     python -m tests.toy /tmp/toy        # writes /tmp/toy/model and /tmp/toy/{train,test}.jsonl
 
@@ -104,6 +105,61 @@ def build_model(out_dir: str, seed: int = 0, hidden_size: int = 64, heads: int =
         bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_bos_tokenizer(out_dir: str):
+    """A byte-level BPE that puts <bos> before every text it encodes, as Gemma's, Llama's or OLMo's tokenizers do,
+    with <eos> and <pad> and no chat template (a base model's tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [f"{r['question']}{r['answer']}" for r in sum_rows(2000, seed=123)]
+    corpus += ["The answer is \\boxed{7}. Answer: 3", "Solve the problem step by step."]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>"], initial_alphabet=alphabet)
+    bpe.train_from_iterator(corpus, trainer)
+    bos = [("<bos>", bpe.token_to_id("<bos>"))]
+    bpe.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=bos)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def build_gemma3(out_dir: str, seed: int = 0, softcap: float | None = 30.0) -> str:
+    """A tiny random Gemma3ForCausalLM (a family unlike Qwen2 and Llama: sliding-window and global attention layers,
+    embeddings scaled by sqrt(hidden) and tied to the output layer, a soft cap c tanh(z / c) on the logits) with a
+    tokenizer that adds BOS and has no chat template: what a user's own base model brings. hidden 128, 2 heads of 64
+    (vLLM's CPU attention), a 16-token window, so prompt plus completion cross it."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = build_bos_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=softcap,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = Gemma3ForCausalLM(config)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)

@@ -109,7 +109,7 @@ def main(model_dir: str, fix: bool) -> dict:
         sampler.generate(PROMPTS[:1], 1, 1.0, 1.0, 2)
     sampler.cpu_threads = 1
     sampler.update_weights(model)  # the same weights again
-    sampler.llm.generate, sampler.llm.collective_rpc, sampler.cpu_threads = engine_generate, engine_rpc, None
+    sampler.llm.generate, sampler.llm.collective_rpc, sampler.cpu_threads = (engine_generate, engine_rpc, None)
     expected = [1, max(1, min(before[3], len(os.sched_getaffinity(0)) - 1)), 1]  # all cores but one, <= the trainer's
     res["generate_threads"] = seen == expected and torch.get_num_threads() == before[3]
 

@@ -1,8 +1,8 @@
 """Profile a dataset under a model (what --difficulty-file reads): per-prompt pass rate and response lengths.
 
-Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts, so the same filtering and
-prompt template), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and verifier
-(common.reward.score, in the run's answer format: --reward-format auto picks it from --prompt-template as the
+Uses the training scripts' own data loading (common/data.py's load_rows / encode_prompts: the same filtering,
+prompt template and special tokens), sampler (common.sampling.make_sampler: vLLM on GPU, HF generate on CPU) and
+verifier (common.reward.score, in the run's answer format: --reward-format auto picks it from --prompt-template as the
 scripts do, so a profile for a qwen-boxed run counts only \\boxed{} answers). Writes one JSON line per prompt:
 
     {"index": i, "prompt": <the templated prompt, decoded>, "answer": ..., "samples": K, "pass_rate": ...,
@@ -153,8 +153,7 @@ def main(args: Args) -> None:
         args.answer_column,
         "--dataset-name",
     )
-    encoding = args.prompt_template, args.max_prompt_tokens, args.max_bad_answer_frac
-    prompts, golds = encode_prompts(questions, answers, tokenizer, *encoding, "--dataset-name")
+    prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
     sampler = make_sampler(
         args.sampler,

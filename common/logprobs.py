@@ -1,9 +1,7 @@
-"""Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, and the global normalisers
-of a mini-batch's loss.
+"""Per-token log-probs and entropy without materialising [tokens x vocab] fp32 logits, the log-prob canary, and the
+rollout correction's weight (both compare the trainer's log-probs with the sampler's).
 
-Nothing here is specific to one algorithm: each script writes its own aggregation. Also here: the
-rollout correction's weight (docs/design.md), which each script's compute_policy_loss multiplies into its policy term,
-and the batching of a rollout into padded tensors and token-budget micro-batches.
+Nothing here is specific to one algorithm: each script writes its own loss.
 
 Log-probs. `TokenLogProbs` wraps a Hugging Face causal LM. Its forward runs the decoder to the final hidden
 states and turns only the completion positions into log-probs, `chunk_size` rows at a time, through
@@ -14,25 +12,58 @@ With kernel="triton" (GPU) the forward is instead one fused Triton kernel (commo
 never holds more than a tile of logits; the backward is the same chunked recompute.
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
 drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
+What a model's own forward does to its logits after the output layer is applied too (`LogitTransform`): a scale
+(Cohere's `logit_scale`, Granite's `logits_scaling`) and Gemma's soft cap c tanh(z / c); a model with any other
+head (a bias, several heads) is refused in one line instead of being trained on the wrong log-probs.
 
-Normalisers. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
-micro-batches and across ranks, the normaliser must be the whole mini-batch's, or the gradient is
-re-weighted per micro-batch (the classic "per-micro-batch token-mean" bug). `grad_normalizers` computes the token
-and sequence counts once per mini-batch with one all-reduce; each script's compute_policy_loss divides by them.
-No function here reads a tensor value on
-the host, so none of them syncs with the device inside a micro-batch loop.
+No function here reads a tensor value on the host, so none of them syncs with the device inside a micro-batch loop.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 KERNELS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the model's forward does to h W^T before returning logits: z * scale, then cap * tanh(z / cap) when
+    `softcap` is set (Gemma 2/3: `final_logit_softcapping`). The identity by default."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitTransform:
+        """The transform of a transformers config: Cohere's logit_scale, Granite's 1 / logits_scaling, Gemma's
+        final_logit_softcapping (text configs nested in `text_config` too)."""
+        config = getattr(config, "text_config", None) or config
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        scale /= float(getattr(config, "logits_scaling", None) or 1.0)
+        cap = getattr(config, "final_logit_softcapping", None)
+        return cls(scale, float(cap) if cap else None)
+
+    def __call__(self, z: Tensor) -> Tensor:
+        """The final logits from z = h W^T, in place on `z` (an fp32 / fp64 buffer)."""
+        if self.scale != 1.0:
+            z.mul_(self.scale)
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
+    def backward(self, d_logits: Tensor, z: Tensor | None) -> Tensor:
+        """d(loss)/d(h W^T) from d(loss)/d(logits), in place on `d_logits`; `z` = self(h W^T), the final logits (only
+        read, and overwritten, with a soft cap)."""
+        if self.softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh(x / c)^2 = 1 - (z / c)^2
+            d_logits.mul_(z.div_(self.softcap).square_().neg_().add_(1))
+        if self.scale != 1.0:
+            d_logits.mul_(self.scale)
+        return d_logits
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -55,16 +86,16 @@ def _check_kernel(kernel: str) -> None:
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
-    """log softmax(h W^T / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
+    """log softmax(f(h W^T) / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int, kernel: str):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, kernel: str, transform):
         if kernel == "triton":  # fused forward; the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
             h, w, dev = hidden, weight, hidden.device.type
             if torch.is_autocast_enabled(dev):  # multiply in the autocast dtype, as `hidden @ weight.T` would
-                h, w = hidden.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev))
+                h, w = (hidden.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev)))
             logps, entropy, lse = fused_logprobs_forward(h, w, targets, temperature)
         else:
             n, acc = hidden.shape[0], _acc_dtype(hidden)
@@ -73,14 +104,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse = torch.empty(n, dtype=acc, device=hidden.device)
             for s in range(0, n, chunk_size):
                 # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
-                logits = (hidden[s : s + chunk_size] @ weight.T).to(acc).div_(temperature)
+                logits = transform((hidden[s : s + chunk_size] @ weight.T).to(acc)).div_(temperature)
                 lse_c = torch.logsumexp(logits, dim=-1)
                 logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
                 logp_all = logits.sub_(lse_c[:, None])
                 entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
                 lse[s : s + chunk_size] = lse_c
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.transform = temperature, chunk_size, transform
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -95,16 +126,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[s : s + ctx.chunk_size]
             g = grad_logps[s : s + ctx.chunk_size]
-            logits = (h @ weight.T).to(acc).div_(ctx.temperature)
+            z = ctx.transform((h @ weight.T).to(acc))  # a second buffer only with a soft cap (its derivative reads z)
+            logits = z.clone() if ctx.transform.softcap is not None else z
             # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
-            d_logits = logits.sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
+            d_logits = logits.div_(ctx.temperature).sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
             d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
-            d_logits.div_(ctx.temperature)
+            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z)
             if need_h:
                 grad_h[s : s + ctx.chunk_size] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(d_logits.T, h.to(acc))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -114,20 +146,29 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     kernel: str = "torch",
+    transform: LogitTransform = LogitTransform(),
 ) -> tuple[Tensor, Tensor]:
-    """Per-token log-probs of `targets` and entropies under logits `hidden @ weight.T / temperature`.
+    """Per-token log-probs of `targets` and entropies under logits `transform(hidden @ weight.T) / temperature`.
 
     hidden: [..., H]; weight: [V, H] (a bias-free output layer); targets: [...] token ids.
     Returns (logps, entropy), both fp32 (fp64 for fp64 inputs) of shape [...]; only logps carries a gradient.
-    kernel: "torch" (chunked matmul + log-softmax) or "triton" (fused Triton forward, CUDA tensors; the
-    backward is the same chunked recompute either way, `chunk_size` rows at a time).
+    kernel: "torch" (chunked matmul + log-softmax) or "triton" (fused Triton forward, CUDA tensors, identity
+    transform only; the backward is the same chunked recompute either way, `chunk_size` rows at a time).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     _check_kernel(kernel)
+    if kernel == "triton" and transform != LogitTransform():
+        raise ValueError(f"kernel='triton' has no logit scale or soft cap ({transform}): use kernel='torch'")
     shape = targets.shape
     logps, entropy = _ChunkedLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), float(temperature), int(chunk_size), kernel
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        float(temperature),
+        int(chunk_size),
+        kernel,
+        transform,
     )
     return logps.view(shape), entropy.view(shape)
 
@@ -149,9 +190,13 @@ class TokenLogProbs(nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
         self.kernel = kernel
+        self.transform = LogitTransform.of(lm.config)
         head = lm.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError("TokenLogProbs supports bias-free output layers only")
+        if not isinstance(getattr(head, "weight", None), Tensor) or getattr(head, "bias", None) is not None:
+            raise ValueError(
+                f"{type(lm).__name__}: only a single bias-free linear output layer is supported "
+                f"(this model's is {type(head).__name__})"
+            )
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, completion_start: int, temperature: float = 1.0
@@ -166,40 +211,65 @@ class TokenLogProbs(nn.Module):
         hidden = hidden[:, completion_start - 1 : -1]
         targets = input_ids[:, completion_start:]
         weight = self.lm.get_output_embeddings().weight
-        return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size, self.kernel)
+        return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size, self.kernel, self.transform)
 
 
-def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """The token and sequence normalisers of one optimizer step's mini-batch.
+def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> Tensor:
+    """Per-token log-probs [N, C] of a whole rollout `batch` under `policy` at `temperature`, without gradient, one
+    micro-batch of `plan` (common.batching.micro_batches) at a time (zeros past each micro-batch's width)."""
+    from common.batching import micro_batch
 
-    masks: the completion masks ([b, T] each) of all micro-batches this rank will process before the
-    optimizer step. Returns (num_tokens, num_seqs) as 0-d fp32 tensors: the totals over every micro-batch of
-    every rank, divided by the world size. Each rank divides its loss sums by these, and DDP's gradient
-    *average* over ranks is then exactly the gradient of the global mean. One all-reduce, no host sync.
-    """
-    counts = torch.stack(
-        [
-            sum(m.sum() for m in masks).float(),
-            torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device),
-        ]
-    )
-    world = 1
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
-        world = dist.get_world_size()
-    counts = counts / world
-    return counts[0], counts[1]
+    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
+    for rows, p_w, c_w in plan:
+        mb = micro_batch(batch, rows, p_w, c_w)
+        logps[mb["rows"], :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
+    return logps
 
 
-def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, num_tokens=None):
+class LogprobCanary:
+    """The trainer's log-probs against the sampler's on the tokens the sampler produced this step (not injected or
+    replayed rows, whose sampler log-probs are NaN), before the first update: |difference| max and mean
+    (`train/logprob_diff_*`: after every weight push both should hold the same weights, ~1e-6 in fp32, while a push
+    that did not reach the sampler shows as a gap of order 1; with --off-policy-steps it is the policy's drift), the
+    sampler-to-trainer KL, k3 of KL(sampler || trainer), and the effective sample size of the importance weights
+    w = pi / pi_sampler, (sum w)^2 / (n sum w^2), 1 when they are all equal."""
+
+    def __init__(self) -> None:
+        self.log_ratios: list[Tensor] = []
+        self.masks: list[Tensor] = []
+
+    def add(self, logps: Tensor, sampler_logps: Tensor, mask: Tensor) -> None:
+        sampled = mask * sampler_logps.isfinite()
+        self.log_ratios.append(((logps.detach() - sampler_logps).nan_to_num(nan=0.0) * sampled).flatten())
+        self.masks.append(sampled.flatten())
+
+    def stats(self) -> dict[str, Tensor]:
+        if not self.log_ratios:
+            return {}
+        # float64, and k3 = w - 1 - log w as expm1(d) - d: it is >= 0 per token, which fp32 rounding breaks
+        d, m = torch.cat(self.log_ratios).double(), torch.cat(self.masks).double()
+        n, d_capped = m.sum().clamp(min=1), d.clamp(max=20.0)
+        w, k3 = torch.exp(d_capped) * m, (torch.expm1(d_capped) - d_capped).clamp(min=0) * m
+        stats = {
+            "logprob_diff_max": d.abs().max(),
+            "logprob_diff_mean": d.abs().sum() / n,
+            "sampler_kl": k3.sum() / n,
+            "is_ess": w.sum() ** 2 / (n * w.square().sum()).clamp(min=1e-30),
+        }
+        return {k: v.float() for k, v in stats.items()}
+
+
+def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
     """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
-    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (mode token-*) or exp(the sum of that
-    log-ratio over the sequence's tokens) per sequence (sequence-*). *-truncate: min(w, cap); *-mask: w where
+    term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (--rollout-correction token-*) or
+    exp(the sum of that log-ratio over the sequence's tokens) per sequence (sequence-*), capped at
+    --rollout-correction-cap. *-truncate: min(w, cap); *-mask: w where
     w <= cap, else 0 (only w > cap is dropped, as TRL; verl's mask also drops w < 1/cap). A masked token still
     counts in the loss's normaliser. old_logps, rollout_logps, mask: [B, T]. Returns (weight [B, T], or 1.0 when
-    the correction is off or "auto", which the scripts' main() resolves from the sampler; stats: token means over the
+    the correction is off or "auto", which the scripts resolve from the sampler; stats: token means over the
     mini-batch, and min/max). With top_p < 1 the sampler's log-probs are renormalised over the nucleus, so w is the
     nucleus mass (<= 1) even without any mismatch (docs/algorithms.md "Rollout correction")."""
+    mode, cap = args.rollout_correction, args.rollout_correction_cap
     if mode in ("none", "auto"):
         return 1.0, {}
     if rollout_logps is None:
@@ -213,77 +283,10 @@ def rollout_correction(old_logps, rollout_logps, mask, mode: str, cap: float, nu
     if mode.endswith("mask"):
         weight = torch.where(over, 0.0, weight)
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    token_mean = lambda x: (x.float() * mask).sum() / num_tokens  # noqa: E731
     stats = {
-        "rollout_corr_weight_mean": token_mean(weight),
-        "rollout_corr_capped_frac": token_mean(over),
+        "rollout_corr_weight_mean": (weight * mask).sum() / num_tokens,
+        "rollout_corr_capped_frac": (over * mask).sum() / num_tokens,
         "rollout_corr_weight_min": torch.where(mask > 0, weight, torch.inf).amin(),
         "rollout_corr_weight_max": torch.where(mask > 0, weight, -torch.inf).amax(),
     }
     return weight, stats
-
-
-# Batching: rollout rows into padded tensors and micro-batches (host-side planning, no device reads)
-def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """[N, P + C] ids and attention mask with left-padded prompts and right-padded completions, and the
-    [N, C] completion mask. Prompt i is shared by its group (prompts given once per completion)."""
-    p_len = max(len(p) for p in prompts)
-    c_len = max(max(len(c) for c in completions), 1)
-    ids = torch.full((len(prompts), p_len + c_len), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
-        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
-        attn[i, p_len - len(p) : p_len + len(c)] = 1
-    return ids, attn, attn[:, p_len:].clone(), p_len
-
-
-def pad_logprobs(logprobs: list[list[float] | None], width: int) -> torch.Tensor:
-    """[N, width] per-token sampler log-probs, zero-padded; NaN for a row without any (one the sampler did not
-    produce this step: an injected or replayed completion)."""
-    return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
-
-
-def micro_batches(
-    rows: list[int], lens: list[tuple[int, int]], max_rows: int, max_tokens: int
-) -> list[tuple[list[int], int, int]]:
-    """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
-    longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
-    lens: (prompt length, completion length) per row. `max_rows` rows at a time in the given order (max_tokens 0), or
-    longest completion first, as many rows as fit in `max_tokens` padded tokens (at most `max_rows`)."""
-    if max_tokens <= 0:
-        groups = [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
-    else:
-        groups, width = [], (0, 0)
-        for r in sorted(rows, key=lambda r: -lens[r][1]):
-            w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
-            if not groups or (n := len(groups[-1]) + 1) > max_rows or n * sum(w) > max_tokens:
-                groups.append([])
-                w = lens[r]
-            groups[-1].append(r)
-            width = w
-    return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
-
-
-def cut(batch: dict, idx: torch.Tensor, p_w: int, c_w: int) -> dict:
-    """Rows `idx` of the rollout's tensors, with the padding beyond the widths removed: input columns
-    [p_len - p_w, p_len + c_w) and completion columns [0, c_w)."""
-    p_len = batch["p_len"]
-    out = {k: batch[k][idx, :c_w] for k in ("mask", "old_logps", "ref_logps", "sampler_logps") if k in batch}
-    out.update(
-        ids=batch["ids"][idx, p_len - p_w : p_len + c_w],
-        attn=batch["attn"][idx, p_len - p_w : p_len + c_w],
-        advantages=batch["advantages"][idx],
-    )
-    return out
-
-
-def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> torch.Tensor:
-    """Per-token log-probs [N, C] of a whole rollout `batch` under `policy` at `temperature`, without gradient, one
-    micro-batch of `plan` (`micro_batches`) at a time (zeros past each micro-batch's width)."""
-    logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    for rows, p_w, c_w in plan:
-        idx = torch.tensor(rows, device=logps.device)
-        mb = cut(batch, idx, p_w, c_w)
-        logps[idx, :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
-    return logps

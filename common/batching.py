@@ -1,0 +1,119 @@
+"""A rollout as padded tensors, split into micro-batches, and the global normalisers of a mini-batch's loss.
+
+Nothing here is specific to one algorithm. Host-side planning only: no function reads a tensor value on the host, so
+none of them syncs with the device inside a micro-batch loop.
+
+Normalisers. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
+micro-batches and across ranks, the normaliser must be the whole mini-batch's, or the gradient is re-weighted per
+micro-batch (the classic "per-micro-batch token-mean" bug). `grad_normalizers` computes the token and sequence counts
+once per mini-batch with one all-reduce; each script's compute_policy_loss divides by them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# the per-row tensors of a batch that hold one value per completion token ([N, C]); micro_batch cuts their padding
+TOKEN_KEYS = ("mask", "old_logps", "ref_logps", "sampler_logps")
+
+
+def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id: int, device) -> dict:
+    """The training batch of a rollout: `ids` and `attn` [N, P + C] with left-padded prompts and right-padded
+    completions, the completion `mask` [N, C], the prompt width `p_len`, `advantages` [N], `lens` ((prompt,
+    completion) lengths per row, host-side) and, when the sampler gave log-probs, `sampler_logps` [N, C] (NaN rows for
+    completions it did not sample this step). prompts: one per group; completions: common.sampling.Completion,
+    groups of len(completions) // len(prompts) contiguous."""
+    group_size = len(completions) // len(prompts)
+    rows = [p for p in prompts for _ in range(group_size)]
+    p_len = max(len(p) for p in rows)
+    c_len = max(max(len(c.token_ids) for c in completions), 1)
+    ids = torch.full((len(rows), p_len + c_len), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(rows, completions)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(c.token_ids)] = 1
+    mask = attn[:, p_len:]
+    batch = {
+        "ids": ids.to(device),
+        "attn": attn.to(device),
+        "mask": mask.to(device),
+        "p_len": p_len,
+        "advantages": advantages,
+        "lens": [(len(p), len(c.token_ids)) for p, c in zip(rows, completions)],
+    }
+    if any(c.logprobs is not None for c in completions):  # the canary and the rollout correction read them
+        batch["sampler_logps"] = pad_logprobs([c.logprobs for c in completions], c_len).to(device)
+    return batch
+
+
+def pad_logprobs(logprobs: list[list[float] | None], width: int) -> Tensor:
+    """[N, width] per-token sampler log-probs, zero-padded; NaN for a row without any (one the sampler did not
+    produce this step: an injected or replayed completion)."""
+    return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
+
+
+def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tuple[list[int], int, int]]:
+    """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
+    longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
+    lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order
+    (--micro-batch-tokens 0), or longest completion first, as many rows as fit in --micro-batch-tokens padded tokens
+    (at most --micro-batch-size)."""
+    max_rows, max_tokens = args.micro_batch_size, args.micro_batch_tokens
+    if max_tokens <= 0:
+        groups = [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
+    else:
+        groups, width = [], (0, 0)
+        for r in sorted(rows, key=lambda r: -lens[r][1]):
+            w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
+            n = len(groups[-1]) + 1 if groups else 0
+            if not groups or n > max_rows or n * sum(w) > max_tokens:
+                groups.append([])
+                w = lens[r]
+            groups[-1].append(r)
+            width = w
+    return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
+
+
+def micro_batch(batch: dict, rows: list[int], p_w: int, c_w: int) -> dict:
+    """Rows `rows` of the batch, with the padding beyond the widths removed: input columns [p_len - p_w, p_len + c_w)
+    and completion columns [0, c_w). Also holds `rows` as an index tensor, and any other per-row tensor of the batch
+    (e.g. DARO's buckets)."""
+    idx = torch.tensor(rows, device=batch["ids"].device)
+    p_len = batch["p_len"]
+    out = {"rows": idx}
+    for k, v in batch.items():
+        if k in TOKEN_KEYS:
+            out[k] = v[idx, :c_w]
+        elif k in ("ids", "attn"):
+            out[k] = v[idx, p_len - p_w : p_len + c_w]
+        elif isinstance(v, Tensor):
+            out[k] = v[idx]
+    return out
+
+
+def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The token and sequence normalisers of one optimizer step's mini-batch.
+
+    masks: the completion masks ([b, T] each) of all micro-batches this rank will process before the
+    optimizer step. Returns (num_tokens, num_seqs) as 0-d fp32 tensors: the totals over every micro-batch of
+    every rank, divided by the world size. Each rank divides its loss sums by these, and DDP's gradient
+    *average* over ranks is then exactly the gradient of the global mean. One all-reduce, no host sync.
+    """
+    counts = torch.stack(
+        [
+            sum(m.sum() for m in masks).float(),
+            torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device),
+        ]
+    )
+    world = 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+        world = dist.get_world_size()
+    counts = counts / world
+    return counts[0], counts[1]
