@@ -326,9 +326,8 @@ def compute_policy_loss(
     cap = args.eps_max if args.cispo_form == "scalerl" else 1 + args.is_eps_high
     floor = None if args.is_eps_low is None else 1 - args.is_eps_low
     weight = torch.clamp(ratio, min=floor, max=cap).detach()  # sg(clipped IS weight), eq. 5
-    rc_weight, stats = rollout_correction(
-        old_logps, rollout_logps, mask, args, num_tokens
-    )  # 1: off
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
     per_token = -rc_weight * weight * adv * logps  # REINFORCE, the corrected distribution (eq. 3-4)
     loss = (per_token * mask).sum() / num_tokens  # 1/sum_i |o_i| sum_i sum_t (eq. 4)
     with torch.no_grad():
@@ -379,9 +378,8 @@ def update_policy(
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
                     canary.add(logps, m["sampler_logps"], m["mask"])
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            norm = torch.as_tensor(
-                torch.nan if norm is None else norm, device=device
-            )  # DeepSpeed: float
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
             if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
                 optimizer.step()
             else:

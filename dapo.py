@@ -336,9 +336,8 @@ def compute_policy_loss(
     adv = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)  # Clip-Higher
     surrogate = torch.minimum(ratio * adv, clipped * adv)
-    rc_weight, stats = rollout_correction(
-        old_logps, rollout_logps, mask, args, num_tokens
-    )  # 1: off
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
     per_token = -surrogate * rc_weight
     num_tokens = torch.where(num_tokens > 0, num_tokens, 1.0)  # all overlong-filtered: not 0/0
     loss = (per_token * mask).sum() / num_tokens  # 1/sum_i |o_i| sum_i sum_t, token-level (§3.3)
@@ -388,9 +387,8 @@ def update_policy(
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
                     canary.add(logps, m["sampler_logps"], m["mask"])
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            norm = torch.as_tensor(
-                torch.nan if norm is None else norm, device=device
-            )  # DeepSpeed: float
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
             if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
                 optimizer.step()
             else:

@@ -387,9 +387,8 @@ def compute_policy_loss(
     adv = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
-    rc_weight, stats = rollout_correction(
-        old_logps, rollout_logps, mask, args, num_tokens
-    )  # 1: off
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
     per_token = -surrogate * rc_weight
     bucket = bucket_from_advantages(advantages, args) if bucket is None else bucket
     w = (torch.ones(args.group_size + 1) if weights is None else weights).to(per_token)
@@ -438,9 +437,8 @@ def update_policy(
     skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
     host."""
     n, device = batch["ids"].shape[0], batch["ids"].device
-    daro = (
-        DaroWeights(args, device) if daro is None else daro
-    )  # ALGO LOGIC: main's w_mu, else w = 1
+    # ALGO LOGIC: main's w_mu, else w = 1
+    daro = DaroWeights(args, device) if daro is None else daro
     bucket = (
         batch["bucket"] if "bucket" in batch else bucket_from_advantages(batch["advantages"], args)
     )
@@ -480,9 +478,8 @@ def update_policy(
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
                     canary.add(logps, m["sampler_logps"], m["mask"])
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            norm = torch.as_tensor(
-                torch.nan if norm is None else norm, device=device
-            )  # DeepSpeed: float
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
             if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
                 optimizer.step()
             else:
@@ -558,9 +555,8 @@ def main(args: Args) -> None:
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
-        recompute = (
-            recompute or args.daro_w_target == "loss" and args.rollout_correction != "none"
-        )  # ALGO LOGIC
+        # ALGO LOGIC: --daro-w-target loss weighs L_mu by the rollout correction, from pi_old
+        recompute = recompute or args.daro_w_target == "loss" and args.rollout_correction != "none"
         with torch.no_grad():
             if recompute and has_signal:
                 batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)

@@ -283,9 +283,8 @@ def compute_policy_loss(
     adv = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
-    rc_weight, stats = rollout_correction(
-        old_logps, rollout_logps, mask, args, num_tokens
-    )  # 1: off
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
     per_token = -surrogate * rc_weight
     seq_means = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # 1/|o_i| sum_t
     loss = seq_means.sum() / num_seqs  # 1/G sum_i
@@ -298,9 +297,7 @@ def compute_policy_loss(
         stats["clip_frac_low"] = token_mean(clipped_low)  # token fractions, as the paper's Fig. 4
         stats["clip_frac_high"] = token_mean(clipped_high)
         stats["seq_clip_frac"] = seq_clipped.sum() / num_seqs  # the fraction of sequences clipped
-        stats["approx_kl"] = token_mean(
-            torch.exp(log_ratio) - 1 - log_ratio
-        )  # k3 of KL(old || new)
+        stats["approx_kl"] = token_mean(torch.exp(log_ratio) - 1 - log_ratio)  # k3, KL(old || new)
     return loss, stats
 
 
@@ -342,9 +339,8 @@ def update_policy(
                 if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
                     canary.add(logps, m["sampler_logps"], m["mask"])
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            norm = torch.as_tensor(
-                torch.nan if norm is None else norm, device=device
-            )  # DeepSpeed: float
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
             if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
                 optimizer.step()
             else:
