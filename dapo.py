@@ -221,6 +221,8 @@ class Args:
     """the layers given adapters: module names or suffixes (all-linear: all but the output layer)"""
     lora_dropout: float = 0.0
     """dropout on the adapters' input"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """how vLLM gets the policy: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2

@@ -1,7 +1,8 @@
 """A rollout as padded tensors, split into micro-batches, and the global normalisers of a mini-batch's loss.
 
-Nothing here is specific to one algorithm. Host-side planning only: no function reads a tensor value on the host, so
-none of them syncs with the device inside a micro-batch loop.
+Nothing here is specific to one algorithm. Host-side planning only: no function reads a tensor value on the host but
+`global_cat` (the ranks' counts, once per call, outside any micro-batch loop), so none of them syncs with the device
+inside a micro-batch loop.
 
 Normalisers. A loss over a mini-batch is `sum(l * mask) / normaliser`. When the mini-batch is split into
 micro-batches and across ranks, the normaliser must be the whole mini-batch's, or the gradient is re-weighted per
@@ -83,12 +84,12 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tu
 def micro_batch(batch: dict, rows: list[int], p_w: int, c_w: int) -> dict:
     """Rows `rows` of the batch, with the padding beyond the widths removed: input columns [p_len - p_w, p_len + c_w)
     and completion columns [0, c_w). Also holds `rows` as an index tensor, and any other per-row tensor of the batch
-    (e.g. DARO's buckets)."""
+    (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token selection, is cut like it)."""
     idx = torch.tensor(rows, device=batch["ids"].device)
     p_len = batch["p_len"]
     out = {"rows": idx}
     for k, v in batch.items():
-        if k in TOKEN_KEYS:
+        if k in TOKEN_KEYS or (isinstance(v, Tensor) and k not in ("ids", "attn") and v.shape == batch["mask"].shape):
             out[k] = v[idx, :c_w]
         elif k in ("ids", "attn"):
             out[k] = v[idx, p_len - p_w : p_len + c_w]
@@ -117,3 +118,26 @@ def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         world = dist.get_world_size()
     counts = counts / world
     return counts[0], counts[1]
+
+
+def global_sum(x: Tensor) -> Tensor:
+    """`x` summed over all ranks (itself on one process). For statistics of a whole mini-batch, e.g. the means a
+    per-token selection compares against."""
+    if dist.is_available() and dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def global_cat(x: Tensor) -> Tensor:
+    """Every rank's 1-D `x` concatenated in rank order (itself on one process); the ranks may hold different counts.
+    For a selection over the whole mini-batch (a top-k, a threshold) from each rank's candidates."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    counts = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([x.numel()], device=x.device))
+    width = max(int(c) for c in counts)
+    padded = torch.cat([x, x.new_zeros(width - x.numel())])
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(c)] for p, c in zip(parts, counts)])

@@ -78,6 +78,8 @@ def check_shared_args(args) -> None:
         raise SystemExit("--vllm-enable-sleep-mode is for a colocated engine; a server's memory is its own")
     if args.lora_rank < 0 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
         raise SystemExit("--lora-rank must be >= 0 (0: full fine-tuning), --lora-alpha > 0, --lora-dropout in [0, 1)")
+    if args.lora_sync == "adapter" and (args.lora_rank == 0 or args.sampler != "vllm" or args.vllm_mode != "colocate"):
+        raise SystemExit("--lora-sync adapter needs --lora-rank > 0 and the colocated vLLM engine (--sampler vllm)")
     check_data_args(args)
 
 
@@ -395,6 +397,7 @@ def load_sampler(args, model, tokenizer, accelerator):
         enable_sleep_mode=args.vllm_enable_sleep_mode,
         max_model_len=max_model_len(args, model),
         stop=stop,
+        lora_rank=args.lora_rank if args.lora_sync == "adapter" else 0,
     )
 
 

