@@ -129,6 +129,11 @@ def start(args):
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
     )
     check_world(args, accelerator.num_processes)
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        raise SystemExit(
+            f"FSDP launch on {accelerator.device.type}: accelerate enables FSDP only on accelerators (on a CPU it "
+            "would silently run DDP); on a CPU use DDP or DeepSpeed ZeRO-3 (docs/gpu.md)"
+        )
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
     if args.lora_rank > 0 and sharded:
         raise SystemExit(

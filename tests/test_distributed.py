@@ -211,3 +211,18 @@ def test_health_metrics_cover_every_rank(procs, tmp_path):
     rank0 = completion_stats(TEXTS[:4], CORRECT[:4], GROUP, LENGTHS[:4])  # what a per-rank statistic would log
     assert rank0["reflection_frac"] == 0 and expected["train/reflection_frac"] > 0
     assert rank0["accuracy_long"] != pytest.approx(expected["train/accuracy_long"])
+
+
+@pytest.mark.slow
+def test_an_fsdp_launch_on_cpu_is_refused_in_one_line(toy_assets, tmp_path):
+    """accelerate 1.15 turns FSDP on only for accelerator back-ends (state.py): `--use_fsdp` on CPU processes would
+    run as DDP while the user believes the model sharded, so the scripts refuse it before anything is written."""
+    from tests.checks import free_port
+
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2"]
+    launch += ["--num_processes", "2", "--main_process_port", str(free_port()), os.path.join(ROOT, "grpo.py")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    flags = toy_flags(toy_assets, str(tmp_path / "out"), 1)
+    proc = subprocess.run([*launch, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "FSDP launch on cpu" in proc.stderr, proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")
