@@ -1,5 +1,6 @@
 """A vLLM server on its own GPUs or machine (`--vllm-mode server`): `ServerSampler`, the trainer's client of
-tools/vllm_server.py, and a "gloo" backend for vLLM's weight-transfer API, so a CPU trainer can push its weights too.
+tools/vllm_server.py, and a "torch_pg" backend for vLLM's weight-transfer API: the weights travel over a
+torch.distributed process group (NCCL on GPUs, gloo on CPU) whose every operation has a timeout.
 
 The server is vLLM's own OpenAI-compatible server (vLLM 0.32) with its RL routes on (VLLM_SERVER_DEV_MODE=1);
 nothing here generates a token. Generation: one POST /inference/v1/generate per prompt (token ids in; token ids,
@@ -7,11 +8,12 @@ text and processed log-probs out; the sampling parameters and per-prompt seeds o
 Weights: vLLM's weight-transfer protocol (vllm/distributed/weight_transfer/): trainer rank 0 and the server's
 workers join a process group of their own (`init_weight_transfer_engine`); a push is /pause (in-flight requests
 finish), /start_weight_update, the weights broadcast while /update_weights receives them into vLLM's layerwise
-reload, /finish_weight_update, /reset_prefix_cache, /resume. vLLM ships NCCL backends only; `GlooWeightTransfer
-Engine` / `GlooTrainerWeightTransferEngine` add "gloo" (registered when this module is imported: the server's
-workers import it through --worker-extension-cls), which on CPU also re-packs the engine's GEMM weights after a push
-(common.sampling's `_repack_cpu_linears`). On GPUs the same engines run over NCCL (`backend="nccl"`): torch's NCCL
-group has a timeout, vLLM's own NCCL engine has none.
+reload, /finish_weight_update, /reset_prefix_cache, /resume. vLLM's own backends are CUDA-only, and its NCCL
+communicator has no timeout (a dead peer hangs the trainer: TRL #6797). `WorkerWeightTransferEngine` /
+`TrainerWeightTransferEngine` add "torch_pg" (registered when this module is imported: the server's workers import it
+through --worker-extension-cls): torch's process group, NCCL when the trainer has CUDA (the trainer says which in
+the init info), else gloo, which on CPU also re-packs the engine's GEMM weights after a push (common.sampling's
+`_repack_cpu_linears`). Tested on CPU (gloo); the NCCL route has not run yet.
 
 Every call is bounded: HTTP requests by --vllm-server-timeout, the group's rendezvous and every collective by the
 same; a failure raises SystemExit with one line naming the server and what the trainer was doing.
@@ -42,7 +44,7 @@ from common.sampling import (
     iter_weight_buckets,
 )
 
-BACKEND = "gloo"
+BACKEND = "torch_pg"  # vLLM's name for our weight-transfer engines
 
 
 def _nbytes(dtype_name: str, shape: list[int]) -> int:
@@ -52,15 +54,15 @@ def _nbytes(dtype_name: str, shape: list[int]) -> int:
     return numel * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
 
-def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, listen_socket=None):
-    """A gloo process group of its own (not the default group). Trainer rank 0 hosts its store on `listen_socket`
-    (bound and listening at host:port): torch's tcp:// rendezvous would connect to torchrun's agent store instead
-    (TORCHELASTIC_USE_AGENT_STORE), where nobody serves this group."""
+def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str, listen_socket=None):
+    """A process group of its own (not the default group; `backend` "gloo" or "nccl"). Trainer rank 0 hosts its store
+    on `listen_socket` (bound and listening at host:port): torch's tcp:// rendezvous would connect to torchrun's agent
+    store instead (TORCHELASTIC_USE_AGENT_STORE), where nobody serves this group."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     timeout = timedelta(seconds=timeout_s)
     return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, BACKEND, listen_socket=listen_socket, timeout=timeout
+        host, port, rank, world_size, backend, listen_socket=listen_socket, timeout=timeout
     )
 
 
@@ -83,37 +85,44 @@ def _engine_classes():
     )
 
     @dataclass
-    class GlooInitInfo(WeightTransferInitInfo):
+    class WorkerInitInfo(WeightTransferInitInfo):
         master_address: str
         master_port: int
         rank_offset: int
         world_size: int
+        torch_backend: str = "gloo"
         timeout_s: float = 300.0
 
     @dataclass
-    class GlooUpdateInfo(WeightTransferUpdateInfo):
+    class UpdateInfo(WeightTransferUpdateInfo):
         names: list[str]
         dtype_names: list[str]
         shapes: list[list[int]]
 
-    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    class WorkerWeightTransferEngine(WeightTransferEngine[WorkerInitInfo, UpdateInfo]):
         """In each server worker: joins the trainer's group, receives one broadcast per tensor (in the order of the
         update's metadata) into vLLM's layerwise reload, and re-packs the CPU GEMM weights after it."""
 
-        init_info_cls = GlooInitInfo
-        update_info_cls = GlooUpdateInfo
+        init_info_cls = WorkerInitInfo
+        update_info_cls = UpdateInfo
         supports_draft_weight_update = False
 
         def __init__(self, config, vllm_config, device, model) -> None:
             super().__init__(config, vllm_config, device, model)
-            self.group, self.timeout_s = None, 300.0
+            self.group, self.timeout_s, self.buffer_device = None, 300.0, "cpu"
 
-        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        def init_transfer_engine(self, init_info: WorkerInitInfo) -> None:
             pc = self.parallel_config  # a rank per worker over every data-parallel replica
             rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
             self.timeout_s = init_info.timeout_s
+            self.buffer_device = self.device if init_info.torch_backend == "nccl" else "cpu"
             self.group = open_group(
-                init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
+                init_info.torch_backend,
             )
 
         def start_weight_update(self) -> None:
@@ -124,9 +133,9 @@ def _engine_classes():
         def update_weights(self, update_info: dict[str, Any]) -> None:
             self.receive_weights(self.parse_update_info(update_info))  # no accelerator sync: CPU has none
 
-        def receive_weights(self, info: GlooUpdateInfo) -> None:
+        def receive_weights(self, info: UpdateInfo) -> None:
             for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes):
-                buf = torch.empty(_nbytes(dtype, shape), dtype=torch.uint8)
+                buf = torch.empty(_nbytes(dtype, shape), dtype=torch.uint8, device=self.buffer_device)
                 broadcast(self.group, buf, self.timeout_s)
                 self.model.load_weights([(name, buf.view(getattr(torch, dtype)).view(shape))])
 
@@ -143,28 +152,36 @@ def _engine_classes():
             self.group = None
 
     @dataclass
-    class GlooTrainerInitInfo(TrainerInitInfo):
+    class TrainerInit(TrainerInitInfo):
         backend: ClassVar[str] = BACKEND
         master_address: str
         master_port: int
         world_size: int
+        torch_backend: str = "gloo"
         timeout_s: float = 300.0
         listen_socket: Any = None  # bound to master_address:master_port and listening
 
-    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    class TrainerEngine(TrainerWeightTransferEngine[TrainerInit]):
         """Trainer rank 0: hosts the group and broadcasts each tensor while the server receives it."""
 
-        init_info_cls = GlooTrainerInitInfo
+        init_info_cls = TrainerInit
 
-        def __init__(self, *, client, source=None, is_sender=True, timeout_s=300.0):
+        def __init__(self, *, client, source=None, is_sender=True, timeout_s=300.0, torch_backend="gloo"):
             super().__init__(client=client, source=source, is_sender=is_sender)
-            self.group, self.timeout_s = None, timeout_s
+            self.group, self.timeout_s, self.torch_backend = None, timeout_s, torch_backend
 
         @classmethod
-        def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-            engine = cls(client=client, source=source, timeout_s=init_info.timeout_s)
-            info = GlooInitInfo(
-                init_info.master_address, init_info.master_port, 1, init_info.world_size, init_info.timeout_s
+        def trainer_init(cls, init_info: TrainerInit, *, client, source=None):
+            engine = cls(
+                client=client, source=source, timeout_s=init_info.timeout_s, torch_backend=init_info.torch_backend
+            )
+            info = WorkerInitInfo(
+                init_info.master_address,
+                init_info.master_port,
+                1,
+                init_info.world_size,
+                init_info.torch_backend,
+                init_info.timeout_s,
             )
             # the server joins inside its /init_weight_transfer_engine call: run it beside our own join
             engine.group = _beside(
@@ -175,6 +192,7 @@ def _engine_classes():
                     0,
                     init_info.world_size,
                     init_info.timeout_s,
+                    init_info.torch_backend,
                     init_info.listen_socket,
                 ),
                 init_info.timeout_s,
@@ -185,12 +203,14 @@ def _engine_classes():
             """One update: `weights` a list of (checkpoint name, full tensor)."""
             names = [n for n, _ in weights]
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in weights]
-            info = GlooUpdateInfo(names, dtypes, [list(t.shape) for _, t in weights])
+            info = UpdateInfo(names, dtypes, [list(t.shape) for _, t in weights])
             self.client.start_weight_update()
+            device = "cuda" if self.torch_backend == "nccl" else "cpu"
 
             def send() -> None:
                 for _, t in weights:
-                    broadcast(self.group, t.detach().cpu().contiguous().view(-1).view(torch.uint8), self.timeout_s)
+                    t = t.detach().to(device).contiguous().view(-1).view(torch.uint8)
+                    broadcast(self.group, t, self.timeout_s)
 
             _beside(lambda: self.client.update_weights(asdict(info)), send, self.timeout_s)
             self.client.finish_weight_update()
@@ -199,7 +219,7 @@ def _engine_classes():
             _destroy(self.group)
             self.group = None
 
-    return GlooWeightTransferEngine, GlooTrainerWeightTransferEngine, GlooTrainerInitInfo
+    return WorkerWeightTransferEngine, TrainerEngine, TrainerInit
 
 
 def _destroy(group) -> None:
@@ -225,8 +245,8 @@ def _beside(remote, local, timeout_s: float):
         pool.shutdown(wait=False)
 
 
-def register_gloo_backend() -> None:
-    """Registers "gloo" with vLLM's weight-transfer factories (idempotent)."""
+def register_backend() -> None:
+    """Registers "torch_pg" with vLLM's weight-transfer factories (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     worker, trainer, _ = _engine_classes()
@@ -237,12 +257,12 @@ def register_gloo_backend() -> None:
 
 
 class WorkerExtension:
-    """tools/vllm_server.py's --worker-extension-cls: importing this module in each server worker registers the gloo
-    backend and keeps the CPU GEMMs' weights (before the model is loaded), so pushes reach them."""
+    """tools/vllm_server.py's --worker-extension-cls: importing this module in each server worker registers the
+    "torch_pg" backend and keeps the CPU GEMMs' weights (before the model is loaded), so pushes reach them."""
 
 
 if os.environ.get("RL_VLLM_SERVER_WORKER") == "1":  # set by tools/vllm_server.py for its worker processes
-    register_gloo_backend()
+    register_backend()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -385,7 +405,8 @@ class ServerSampler:
         listener.bind((self.own_address(), 0))  # a free port, held from now on (no race for it)
         listener.listen()
         host, port = listener.getsockname()
-        info = init_info(host, port, workers + 1, self.timeout, listener, rank=0)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        info = init_info(host, port, workers + 1, backend, self.timeout, listener, rank=0)
         try:
             self.engine = trainer.trainer_init(info, client=_SyncClient(self))
         except (RuntimeError, TimeoutError) as e:

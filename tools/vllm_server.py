@@ -9,8 +9,9 @@ then, on the training GPUs or machines, any script with `--vllm-mode server --vl
 with: its RL routes (VLLM_SERVER_DEV_MODE=1: /pause, /resume, /init_weight_transfer_engine, /update_weights, ...,
 /reset_prefix_cache), the token-in / token-out route /inference/v1/generate (--enable-scale-out), processed
 log-probs (the distribution each token was drawn from), no sampling defaults from the model's generation_config,
-and a weight-transfer backend: NCCL between the trainer's rank 0 and the server's GPUs, or on CPU the "gloo" one of
-common/vllm_server.py (loaded in each worker through --worker-extension-cls). On CPU also what the in-process sampler
+and the "torch_pg" weight-transfer backend of common/vllm_server.py (loaded in each worker through
+--worker-extension-cls): a process group between the trainer's rank 0 and the server's workers, NCCL when the
+trainer has CUDA, gloo otherwise, every operation with a timeout. On CPU also what the in-process sampler
 sets: fp32, eager mode, no chunked prefill, a KV cache of --kv-cache-gib. Any other `vllm serve` flag passes through
 (e.g. --tensor-parallel-size, --max-model-len, --gpu-memory-utilization). It binds --host, 127.0.0.1 by default:
 pass --host 0.0.0.0 to serve other machines. Stop it with Ctrl-C; a trainer that ends leaves it running for the
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def server_argv(args, extra: list[str], cuda: bool) -> list[str]:
     """`vllm serve`'s arguments for this server."""
-    transfer = {"backend": "nccl" if cuda else "gloo"}
+    transfer = {"backend": "torch_pg"}  # common.vllm_server: a torch process group, NCCL or gloo as the trainer says
     argv = ["vllm-serve", "--model", args.model, "--host", args.host, "--port", str(args.port)]
     argv += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out"]
     argv += ["--weight-transfer-config", json.dumps(transfer)]
