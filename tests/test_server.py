@@ -1,8 +1,8 @@
 """`--vllm-mode server` and `--off-policy-steps`, for real on CPU: tools/vllm_server.py (vLLM's own server, CPU build)
-serving the toy model; trainers of 1 and 2 processes push their weights over a gloo process group after every update (the canary
-below 1e-4 at every step); synchronous server runs reproduce themselves bit for bit and the colocated engine's run;
-one step off-policy trains the toy task and resumes exactly; a server that dies mid-run gives one line and leaves the
-last checkpoint intact; a server that never answers gives the timeout line, never a hang.
+serving the toy model; trainers of 1 and 2 processes push their weights over a gloo process group after every update
+(the canary below 1e-4 at every step); synchronous server runs reproduce themselves bit for bit and the colocated
+engine's run; one step off-policy trains the toy task and resumes exactly; a server that dies mid-run gives one line
+and leaves the last checkpoint intact; a server that never answers gives the timeout line, never a hang.
 
 Servers bind 127.0.0.1 only; every request a test makes is bounded by --vllm-server-timeout and each subprocess by a
 timeout.
