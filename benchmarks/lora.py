@@ -1,7 +1,8 @@
 """LoRA against full fine-tuning on a real model on a CPU: benchmarks/real_model.py's setting (SmolLM2-135M-Instruct
 on tools/smollm2.py's word problems, 10 steps of 4 prompts x G = 8, vLLM's CPU build as the sampler, avg@2 on 48
 held-out questions), each script once with full fine-tuning at --lr and once with rank --rank LoRA on all linear layers
-at --lora-lr (10x, "LoRA Without Regret"), over --seeds; then the --more-ranks on the first seed.
+at --lora-lr (10x, "LoRA Without Regret"), over --seeds; then the --more-ranks, and rank --rank with
+--lora-sync adapter (vLLM's LoRA path), on the first seed.
 
     python tools/smollm2.py /tmp/smol
     python benchmarks/lora.py /tmp/smol --scripts grpo,dr_grpo --seeds 1,2,3        # ~2 hours on 2 cores
@@ -81,15 +82,17 @@ def main() -> None:
     out = os.path.join(a.data, "lora")
     base = common_flags(a.data, a)
     t0, rows = time.time(), []
-    settings = [("full", 0, a.lr, seeds), (f"lora_r{a.rank}", a.rank, a.lora_lr, seeds)]
-    settings += [(f"lora_r{r}", int(r), a.lora_lr, seeds[:1]) for r in a.more_ranks.split(",") if r]
+    settings = [("full", 0, a.lr, seeds, []), (f"lora_r{a.rank}", a.rank, a.lora_lr, seeds, [])]
+    settings += [(f"lora_r{r}", int(r), a.lora_lr, seeds[:1], []) for r in a.more_ranks.split(",") if r]
+    if a.sampler == "vllm":  # vLLM's LoRA path instead of merged weights, first seed
+        settings.append((f"lora_r{a.rank}_adapter", a.rank, a.lora_lr, seeds[:1], ["--lora-sync", "adapter"]))
     for script in [x for x in a.scripts.split(",") if x]:
-        for setting, rank, lr, its_seeds in settings:
+        for setting, rank, lr, its_seeds, extra in settings:
             accs, secs, rss, opt = [], [], [], []
             for seed in its_seeds:
                 flags = [*base, *PER_SCRIPT.get(script, []), "--model-name-or-path", model, "--seed", str(seed)]
                 flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--learning-rate", str(lr)]
-                flags += ["--lora-rank", str(rank)]
+                flags += ["--lora-rank", str(rank), *extra]
                 name = f"{script}_{setting}"
                 run_dir = run(script, flags, out, name, seed)
                 acc, s = final_eval(run_dir)
