@@ -212,7 +212,7 @@ class Args:
     lora_dropout: float = 0.0
     """dropout on the adapters' input"""
     lora_sync: Literal["merged", "adapter"] = "merged"
-    """how vLLM gets the policy: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
+    """what vLLM gets: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -408,7 +408,7 @@ def main(args: Args) -> None:
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old, for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
