@@ -7,7 +7,9 @@ or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built a
 Every rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole
 groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and
 runs the script's update with SGD(lr=1) and no clipping, so params_before - params_after is exactly the
-gradient DDP produced. Rank 0 saves it with the world size.
+gradient DDP produced. Rank 0 saves it with the world size. `stale=1` (not a flag) makes the rollout off-policy:
+old log-probs = the model's + noise and sampler log-probs = those + noise (NaN on two rows, as injected ones), so
+that ratio clips, masks and per-mini-batch token selections act.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
 
     script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
+    stale = overrides.pop("stale", "0") == "1"
     mod = importlib.import_module(script)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
     accelerator = Accelerator(
@@ -67,6 +70,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     policy = TokenLogProbs(model)
+    n = 16
+    if stale:  # the whole rollout's log-probs, before any rank trains
+        from common.batching import micro_batches
+        from common.logprobs import compute_logps
+
+        full = fixed_rollout(slice(None), n)[0]
+        with torch.no_grad():
+            logps = compute_logps(policy, full, 1.0, micro_batches(list(range(n)), full["lens"], args)).double()
+        noise = torch.randn((2, *logps.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        old_logps = logps + 0.5 * noise[0]
+        sampler_logps = old_logps + 0.3 * noise[1]
+        sampler_logps[[2, 9]] = float("nan")
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # as the scripts set it
@@ -89,10 +104,11 @@ def main() -> None:
         _assert_matches_checkpoint(
             _flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir)
         )
-    n = 16
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
     batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
+    if stale:
+        batch["old_logps"], batch["sampler_logps"] = old_logps[share], sampler_logps[share]
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, batch["mask"].shape[1], generator=g, dtype=torch.float64) * 6)[share]
     mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
@@ -100,6 +116,7 @@ def main() -> None:
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
         tag = ("_zero3" if deepspeed else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
+        tag += "_stale" if stale else ""
         torch.save(
             {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
             os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"),

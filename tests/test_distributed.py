@@ -51,17 +51,30 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False, **overrides):
         cmd = launch_cmd(WORKER, procs)
     extra = [f"{k}={v}" for k, v in overrides.items()]
     subprocess.run(cmd + [script, str(out_dir), model, str(micro), *extra], check=True, cwd=ROOT, env=env, timeout=300)
-    tag = ("_zero3" if zero3 else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
+    tag = ("_zero3" if zero3 else "") + "".join(f"_{k}{v}" for k, v in overrides.items() if k != "stale")
+    tag += "_stale" if overrides.get("stale") == 1 else ""
     return torch.load(os.path.join(out_dir, f"grad_{script}_{procs}_{micro}{tag}.pt"))
 
 
+# Per-script settings of the worker: the losses that select tokens over the whole mini-batch (over all ranks) get an
+# off-policy rollout (stale=1) so that their selection acts; Clip-Cov draws its tokens at random per rank, so every
+# candidate is taken (ratio 1) in a band that has candidates on this rollout.
+CASES = [(s, {}) for s in SCRIPTS if s not in ("clip_cov", "m2po")]
+CASES += [(s, kw) for s, kw in [
+    ("clip_cov", {"stale": 1, "clip_cov_ratio": 1.0, "clip_cov_lb": 0.0}),
+    ("clip_cov", {"stale": 1, "cov_form": "kl", "kl_cov_ratio": 0.2}),
+    ("m2po", {"stale": 1}),
+    ("m2po", {"stale": 1, "m2po_scope": "all"}),
+] if s in SCRIPTS]  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, toy_assets, tmp_path):
-    whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1)
-    micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1, micro_batch_tokens=0)  # rows, in the given order
-    dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2)  # the default token budget, at most 3 rows each
-    packed = run_worker(script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20)  # by tokens, longest first
+@pytest.mark.parametrize("script,kw", CASES, ids=[s + "".join(f"-{v}" for v in kw.values()) for s, kw in CASES])
+def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, toy_assets, tmp_path):
+    whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1, **kw)
+    micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1, micro_batch_tokens=0, **kw)  # rows, in order
+    dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2, **kw)  # the default token budget, <= 3 rows each
+    packed = run_worker(script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20, **kw)  # by tokens
     assert whole["world_size"] == 1 and dist["world_size"] == 2 and packed["world_size"] == 2
     norm = sum(g.norm() ** 2 for g in whole["grad"].values()) ** 0.5
     assert norm > 1e-6  # the rollout really produces a gradient

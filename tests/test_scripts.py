@@ -14,7 +14,20 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     s
-    for s in ("grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro")
+    for s in (
+        "grpo",
+        "dapo",
+        "dr_grpo",
+        "lite_ppo",
+        "gspo",
+        "cispo",
+        "daro",
+        "sapo",
+        "gmpo",
+        "dppo",
+        "clip_cov",
+        "m2po",
+    )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
 # Per-script flags for the learning test (smoke values come from flags, never from code branches).
@@ -26,6 +39,11 @@ LEARN_FLAGS: dict[str, dict] = {
     "gspo": {},
     "cispo": {"max-gen-batches": 1, "num-mini-batches": 4, "warmup-steps": 0},
     "daro": {},
+    "sapo": {"num-mini-batches": 2},
+    "gmpo": {"num-mini-batches": 2},
+    "dppo": {"num-mini-batches": 1},
+    "clip_cov": {"num-mini-batches": 2},
+    "m2po": {},
 }
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 

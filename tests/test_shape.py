@@ -15,8 +15,18 @@ MAX_MAIN, MAX_SETUP = 200, 80  # main(), and its lines before the training loop
 MAX_LONG_LINES = 30  # lines over 100 characters (readers put two scripts side by side); none over 120
 MAX_COMMON_NAMES = 30  # names a script imports from common/
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
-EXTRA_IMPORTS = {"dapo": {"gather"}, "cispo": {"gather"}}  # dynamic sampling's kept-group fraction
+EXTRA_IMPORTS = {
+    "dapo": {"gather"},  # dynamic sampling's kept-group fraction
+    "cispo": {"gather"},
+    "clip_cov": {"batching"},  # global_sum / global_cat: the token selection over all ranks
+    "m2po": {"global_cat"},
+}
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
+# the ratio is to the sampler's own log-probs: no rollout correction on top
+UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}
+# update_policy differs: DARO also steps its bucket weights; Clip-Cov / KL-Cov and M2PO select tokens once per
+# mini-batch over all ranks
+OWN_UPDATE = ("daro", "clip_cov", "m2po")
 
 
 def source(name: str) -> str:
@@ -61,8 +71,9 @@ def test_shared_scaffolding_is_identical():
     for name, src in srcs.items():
         names = common_names(src)
         assert names - grpo_names <= EXTRA_IMPORTS.get(name, set()), f"{name}.py imports other shared helpers"
-        assert grpo_names - names <= UNUSED_IMPORTS, f"{name}.py lacks shared helpers: {grpo_names - names}"
-        if name != "daro":  # DARO's update_policy also steps its bucket weights
+        unused = UNUSED_IMPORTS | UNUSED_BY.get(name, set())
+        assert grpo_names - names <= unused, f"{name}.py lacks shared helpers: {grpo_names - names}"
+        if name not in OWN_UPDATE:
             got, want = functions(src)["update_policy"], functions(srcs["grpo"])["update_policy"]
             assert ast.get_source_segment(src, got) == ast.get_source_segment(srcs["grpo"], want), name
         assert src.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))'), name

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All seven scripts on the offline toy task, same flags, then one plot (the README's figure):
+# All twelve scripts on the offline toy task, same flags, then one plot (the README's figure):
 #   bash tools/sweep_toy.sh [out_dir]
 set -euo pipefail
 out=${1:-runs/toy_sweep}
@@ -15,4 +15,9 @@ python lite_ppo.py $common
 python gspo.py $common
 python cispo.py $common --max-gen-batches 1 --num-mini-batches 4
 python daro.py $common
+python sapo.py $common --num-mini-batches 2
+python gmpo.py $common --num-mini-batches 2
+python dppo.py $common --num-mini-batches 1
+python clip_cov.py $common --num-mini-batches 2
+python m2po.py $common
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out docs/toy_sweep.png
