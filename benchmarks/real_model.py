@@ -6,6 +6,8 @@ GRPOTrainer on the same model, data, reward and budget, side by side.
     python tools/smollm2.py /tmp/smol
     python benchmarks/real_model.py /tmp/smol --scripts grpo,dr_grpo,dapo --seeds 1,2,3 --trl   # hours on 2 cores
     python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --trl                    # the README's run
+    python benchmarks/real_model.py /tmp/smol --scripts grpo,sapo,gmpo,dppo,clip_cov,m2po --settings plain \
+        --results real_model_new_losses.md                                                     # the newer losses
 
 Every run: the qwen-boxed chat template scored with `--reward-format any` (the model almost never writes a
 \\boxed{} answer, README "A real model on a CPU"), G = --group-size completions of at most --new-tokens tokens for
@@ -15,7 +17,7 @@ sampler (--sampler), then avg@--eval-k on --eval-limit held-out questions at the
 "grpo", the same reward function (common.reward.score, format any), the same G, prompts, budget, temperature, lr and
 steps, HF generate (TRL's CPU route), its model then evaluated by grpo.py's evaluation. Run directories land in
 OUT/bench/, and a rerun reuses the finished ones (a killed benchmark goes on where it stopped); the table goes
-to benchmarks/results/real_model.md and the curves to --plot (tools/plot.py).
+to benchmarks/results/ (--results, default real_model.md) and the curves to --plot (tools/plot.py).
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ def main() -> None:
     p.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer (benchmarks/requirements.txt)")
     p.add_argument("--trl-seeds", default=None, help="TRL's seeds (default: --seeds)")
     p.add_argument("--plot", default=None, help="a PNG of the runs' curves (tools/plot.py)")
+    p.add_argument("--results", default="real_model.md", help="the table's file in benchmarks/results/")
     a = p.parse_args()
     model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
     out = os.path.join(a.data, "bench")
@@ -262,7 +265,7 @@ def main() -> None:
         lines.append(f"| {script} | {setting} | {spread(accs)} | {per} | {sec} |")
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "real_model.md"), "w") as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", a.results), "w") as f:
         f.write(table + "\n")
     print(table)
     if a.plot:
