@@ -247,6 +247,7 @@ class LogprobCanary:
         if not self.log_ratios:
             return {}
         # float64, and k3 = w - 1 - log w as expm1(d) - d: it is >= 0 per token, which fp32 rounding breaks
+        dtype = torch.promote_types(self.log_ratios[0].dtype, torch.float32)  # the stats come back in it
         d, m = torch.cat(self.log_ratios).double(), torch.cat(self.masks).double()
         n, d_capped = m.sum().clamp(min=1), d.clamp(max=20.0)
         w, k3 = torch.exp(d_capped) * m, (torch.expm1(d_capped) - d_capped).clamp(min=0) * m
@@ -256,7 +257,7 @@ class LogprobCanary:
             "sampler_kl": k3.sum() / n,
             "is_ess": w.sum() ** 2 / (n * w.square().sum()).clamp(min=1e-30),
         }
-        return {k: v.float() for k, v in stats.items()}
+        return {k: v.to(dtype) for k, v in stats.items()}
 
 
 def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
