@@ -12,6 +12,13 @@ the same in every run, included) and the optimizer's state (the size of the fina
 AdamW's two moments of every trained parameter). Runs land in OUT/lora/, a rerun reuses finished ones; the table
 goes to benchmarks/results/lora.md, and `python tools/compare.py OUT/lora/* --keys eval/test/avg@2 time/step`
 gives the intervals over seeds.
+
+    python benchmarks/lora.py /tmp/smol --timing-rounds 2 --sampler hf                 # ~20 minutes on 2 cores
+
+--timing-rounds N instead runs full fine-tuning and rank --rank LoRA alternately, N rounds of --timing-steps steps
+each (fresh runs, no evaluation), so that load on a shared machine hits both alike, and writes the medians of each
+phase's time over the steps after the first, their ratio, and the peak RSS (with `--sampler hf` the trainer's
+alone) to benchmarks/results/lora_timing_<sampler>.md.
 """
 
 from __future__ import annotations
@@ -60,6 +67,46 @@ def optimizer_mb(run_dir: str) -> float:
     return os.path.getsize(path) / 2**20
 
 
+PHASES = ("generate", "old_logprobs", "train", "weight_sync", "step")
+
+
+def timing(a, base: list[str], model: str, out: str) -> None:
+    """Full fine-tuning and LoRA alternately, --timing-rounds rounds (see the module docstring)."""
+    times = {s: {k: [] for k in PHASES} for s in ("full", "lora")}
+    rss = {"full": [], "lora": []}
+    for r in range(a.timing_rounds):
+        for setting, rank, lr in (("full", 0, a.lr), ("lora", a.rank, a.lora_lr)):
+            flags = [*base, *PER_SCRIPT.get("grpo", []), "--model-name-or-path", model, "--seed", "1"]
+            flags += ["--total-steps", str(a.timing_steps), "--eval-every", "0", "--learning-rate", str(lr)]
+            flags += ["--lora-rank", str(rank)]
+            run_dir = run("grpo", flags, out, f"timing_{a.sampler}_{setting}_round{r}", 1)
+            rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+            for row in [x for x in rows if "time/step" in x][1:]:
+                for k in PHASES:
+                    times[setting][k].append(row.get(f"time/{k}", 0.0))
+            rss[setting].append(peak_rss_gb(run_dir))
+            print(f"round {r} {setting}: {statistics.median(times[setting]['step']):.1f} s/step so far", flush=True)
+    med = {s: {k: statistics.median(v) for k, v in times[s].items()} for s in times}
+    lines = [
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads; grpo.py on SmolLM2-135M-Instruct, {a.prompts} "
+        f"prompts x G={a.group_size}, {a.new_tokens} new tokens, sampler {a.sampler}; full fine-tuning against LoRA "
+        f"r={a.rank} on all linear layers, alternately, {a.timing_rounds} rounds of {a.timing_steps} steps; medians "
+        "over the steps after each run's first",
+        "",
+        "| phase | full s | LoRA s | LoRA / full |",
+        "|---|---|---|---|",
+    ]
+    for k in PHASES:
+        ratio = med["lora"][k] / med["full"][k] if med["full"][k] else float("nan")
+        lines.append(f"| time/{k} | {med['full'][k]:.2f} | {med['lora'][k]:.2f} | {ratio:.2f} |")
+    full_rss, lora_rss = max(rss["full"]), max(rss["lora"])
+    lines.append(f"| peak RSS GiB | {full_rss:.2f} | {lora_rss:.2f} | {lora_rss / full_rss:.2f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(ROOT, "benchmarks", "results", f"lora_timing_{a.sampler}.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("data", help="tools/smollm2.py's OUT_DIR (model/, train.jsonl, test.jsonl)")
@@ -77,10 +124,14 @@ def main() -> None:
     p.add_argument("--eval-limit", type=int, default=48)
     p.add_argument("--eval-k", type=int, default=2)
     p.add_argument("--sampler", default="vllm")
+    p.add_argument("--timing-rounds", type=int, default=0, help="instead: full and LoRA alternately, N rounds")
+    p.add_argument("--timing-steps", type=int, default=4)
     a = p.parse_args()
     model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
     out = os.path.join(a.data, "lora")
     base = common_flags(a.data, a)
+    if a.timing_rounds:
+        return timing(a, base, model, os.path.join(a.data, f"lora_timing_{int(time.time())}"))
     t0, rows = time.time(), []
     settings = [("full", 0, a.lr, seeds, []), (f"lora_r{a.rank}", a.rank, a.lora_lr, seeds, [])]
     settings += [(f"lora_r{r}", int(r), a.lora_lr, seeds[:1], []) for r in a.more_ranks.split(",") if r]
