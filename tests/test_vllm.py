@@ -145,7 +145,12 @@ def test_aborted_or_failed_requests_raise():
     for reason, ok in (("stop", True), ("length", True), ("abort", False), ("error", False)):
         sampler = object.__new__(VLLMSampler)
         sampler.seed, sampler.calls, sampler.enable_sleep_mode, sampler.stop, sampler.cpu = (0, 0, False, [], False)
-        sampler.llm = type("LLM", (), {"generate": lambda self, reqs, params, use_tqdm, reason=reason: [Out(reason)]})()
+        sampler.lora_request = None
+
+        def generate(self, reqs, params, use_tqdm, lora_request, reason=reason):
+            return [Out(reason)]
+
+        sampler.llm = type("LLM", (), {"generate": generate})()
         if ok:
             assert isinstance(sampler.generate([[1]], 1, 1.0, 1.0, 4)[0], Completion)
         else:
