@@ -454,8 +454,8 @@ def update_policy(
             rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
             plan = micro_batches(rows, batch["lens"], args)
             chunks = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
-            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in chunks])
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)  # ALGO LOGIC: DARO's weights
+            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in chunks])
             old = batch["old_logps"][idx] if "old_logps" in batch else None
             sampled = batch["sampler_logps"][idx] if "sampler_logps" in batch else None
             adv, mask = batch["advantages"][idx], batch["mask"][idx]

@@ -288,9 +288,10 @@ def compute_policy_loss(
     log_ratio = (logps - old_logps).clamp(-20.0, 20.0)  # verl, SkyRL: exp never overflows
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    # tensors in the log-probs' dtype (a Python float in torch.where would round tau to fp32)
-    tau_pos, tau_neg = ratio.new_tensor(args.sapo_tau_pos), ratio.new_tensor(args.sapo_tau_neg)
-    tau = torch.where(adv > 0, tau_pos, tau_neg)
+    # filled in the log-probs' dtype on their device (Python floats in torch.where round tau to fp32,
+    # new_tensor copies from the host at every micro-batch)
+    tau_pos = torch.full_like(adv, args.sapo_tau_pos, dtype=ratio.dtype)
+    tau = torch.where(adv > 0, tau_pos, torch.full_like(tau_pos, args.sapo_tau_neg))
     gate_s = torch.sigmoid(tau * (ratio - 1))
     gate = gate_s * 4 / tau  # f(r): slope 1 at r = 1
     # 1 without --rollout-correction
