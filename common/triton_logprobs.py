@@ -96,7 +96,8 @@ def fused_logprobs_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(logps, entropy, lse), each [N], of logits `hidden2d @ weight.T / temperature` (see module docstring).
 
-    hidden2d: [N, H]; weight: [V, H], same dtype (fp32, fp64, bf16 or fp16); targets: [N] ids in [0, V).
+    hidden2d: [N, H]; weight: [V, H], same dtype (fp32, bf16 or fp16; fp64 in the interpreter only); targets: [N]
+    ids in [0, V).
     Outputs are fp32 (fp64 for fp64 inputs). fp32 inputs multiply in full fp32 unless
     torch.backends.cuda.matmul.allow_tf32 is set, like torch's own matmul. Block sizes must be powers of
     two, at least 16 on a GPU (tl.dot); the defaults are untuned starting points.
@@ -115,6 +116,11 @@ def fused_logprobs_forward(
         )
     if interpreted and hidden2d.dtype == torch.bfloat16:
         raise NotImplementedError("triton's interpreter multiplies bf16 tiles as raw integers; test in fp32/fp64")
+    if not interpreted and hidden2d.dtype == torch.float64:
+        raise NotImplementedError(
+            "the Triton log-prob kernel does not compile for fp64 on CUDA (a CompilationError at its tl.dot, seen "
+            "with Triton 3.6 on an H100); use kernel='torch' for fp64"
+        )
     n, h = hidden2d.shape
     acc = torch.promote_types(hidden2d.dtype, torch.float32)
     logps, entropy, lse = (torch.empty(n, dtype=acc, device=hidden2d.device) for _ in range(3))

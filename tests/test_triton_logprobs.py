@@ -24,6 +24,8 @@ from tests.fp_bounds import assert_within, logprob_error_bounds  # noqa: E402
 from tests.test_loss import naive  # noqa: E402  (the float64 full log-softmax reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp64 runs in the interpreter only: compiled for CUDA the kernel refuses it (test_fp64_on_cuda_is_refused)
+DTYPES = [torch.float32, torch.float64] if DEVICE == "cpu" else [torch.float32]
 N, H, V = 37, 48, 301  # no multiple of any block size below
 SMALL_BLOCKS = dict(block_n=16, block_v=32, block_k=16)  # 3 row blocks, 10 vocab tiles, 3 hidden steps
 # Tolerances: 2 x the worst-case rounding-error bound B of tests/fp_bounds.py, elementwise, from the inputs, the
@@ -48,7 +50,7 @@ def reference(h, w, t, temperature):
     return logps, entropy, torch.logsumexp(h @ w.T / temperature, -1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_forward_matches_fp64_reference(dtype, temperature):
     h, w, t = inputs(dtype)
@@ -72,7 +74,7 @@ def test_large_logits_with_the_max_in_the_last_tile():
         assert_within(x, ref, 2 * bound[name], name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_triton_path_matches_torch_path_and_reference_with_gradients(dtype, temperature):
     h, w, t = inputs(dtype, seed=2)
@@ -113,6 +115,7 @@ def test_triton_path_multiplies_in_the_autocast_dtype():
     assert_within(ent, ent_torch, fused["entropy"] + torch_path["entropy"], "entropy vs torch")
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="in fp64, which the compiled kernel refuses")
 def test_token_logprobs_triton_matches_torch_on_toy_qwen2(toy_assets):
     """The kernel wired into TokenLogProbs: same log-probs, entropies and parameter gradients as the torch path.
     In fp64, so that the decoder's own rounding, which both paths share, stays far below what is checked."""
@@ -154,6 +157,14 @@ def test_kernel_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "common.triton_logprobs", None)  # as if triton were not installed
     with pytest.raises(ImportError, match="kernel='triton' needs the triton package"):
         chunked_logprobs(h, w, t, kernel="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp64_on_cuda_is_refused():
+    h, w, t = inputs(torch.float64)
+    with pytest.raises(NotImplementedError, match="does not compile for fp64 on CUDA"):
+        triton_logprobs.fused_logprobs_forward(h, w, t, 1.0)
 
 
 @pytest.mark.gpu
