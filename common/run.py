@@ -391,9 +391,14 @@ def load_sampler(args, model, tokenizer, accelerator):
         sampler.update_weights(model)
         return sampler
 
+    # FSDP2 (`fully_shard`): the prepared policy wrapping `model`, whose own parameters HF generate must gather
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_roots = [m for m in accelerator._models if isinstance(m, FSDPModule)]
     return make_sampler(
         args.sampler,
         model=model,
+        fsdp_root=fsdp_roots[0] if fsdp_roots else None,
         tokenizer=tokenizer,
         model_name_or_path=args.model_name_or_path,
         seed=seed,

@@ -371,10 +371,22 @@ class HFSampler:
     must call `generate` with the same number of prompts (transformers syncs the ranks' forward passes).
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, batch_size: int = 64, seed: int = 0, stop: Sequence[str] = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        batch_size: int = 64,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        fsdp_root: nn.Module | None = None,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
+        # FSDP2: the module `fully_shard` was applied to last (accelerate's prepared policy, which wraps `model`).
+        # Its own parameters (embeddings, final norm, output layer) are gathered by its forward, which generate
+        # never calls, so `generate` gathers them around the call; the decoder layers gather in their forwards.
+        self.fsdp_root = fsdp_root
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed = seed
@@ -420,6 +432,10 @@ class HFSampler:
         if device.type == "cuda":
             fork_devices = [device.index if device.index is not None else torch.cuda.current_device()]
         out: list[Completion] = []
+        if self.fsdp_root is not None:
+            # the root is decided by the first forward; generate must not make a decoder layer the root
+            self.fsdp_root._get_fsdp_state()._lazy_init()
+            self.fsdp_root.unshard()
         try:
             model.eval()
             with torch.random.fork_rng(devices=fork_devices), torch.no_grad(), _quiet_generation():
@@ -433,6 +449,8 @@ class HFSampler:
         finally:
             for m, training in modes:
                 m.training = training
+            if self.fsdp_root is not None:
+                self.fsdp_root.reshard()
         return out
 
     def _generate_batch(
@@ -481,6 +499,9 @@ class HFSampler:
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 tokenizer=self.tokenizer if self.stop else None,  # transformers needs it for stop_strings
+                # FSDP2 on several ranks: a rank whose rows all ended keeps stepping until every rank's have
+                # (transformers turns this on by itself for FSDP1 and ZeRO-3 only)
+                synced_gpus=self.fsdp_root is not None and torch.distributed.get_world_size() > 1,
             )
         finally:
             model.generation_config = saved
@@ -1022,12 +1043,14 @@ def make_sampler(
     seed: int,
     hf_batch_size: int = 64,
     stop: Sequence[str] = (),
+    fsdp_root: nn.Module | None = None,
     **vllm_kwargs: Any,
 ) -> Sampler:
     """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
     tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine
     loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`.
-    `stop`: strings that end a completion (kept in its text and tokens, `truncated` False), on both backends."""
+    `stop`: strings that end a completion (kept in its text and tokens, `truncated` False), on both backends.
+    `fsdp_root`: under FSDP2, the prepared module that wraps `model` (HF generate gathers its parameters)."""
     if resolve_sampler(kind) == "vllm":
         return VLLMSampler(model_name_or_path, seed=seed, stop=stop, **vllm_kwargs)
-    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop)
+    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop, fsdp_root=fsdp_root)

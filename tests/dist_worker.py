@@ -7,7 +7,10 @@ or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built a
 Every rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole
 groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and
 runs the script's update with SGD(lr=1) and no clipping, so params_before - params_after is exactly the
-gradient DDP produced. Rank 0 saves it with the world size. `stale=1` (not a flag) makes the rollout off-policy:
+gradient DDP produced. Rank 0 saves it with the world size. `fsdp2=1` (not a flag) prepares the policy with FSDP2
+(`fully_shard` per decoder layer and on the policy, as configs/fsdp2.yaml) on CPU processes, setting the state that
+accelerate's launcher sets on GPUs, and also samples with HF generate on the sharded policy (every rank its own
+prompts). `stale=1` (not a flag) makes the rollout off-policy:
 old log-probs = the model's + noise and sampler log-probs = those + noise (NaN on two rows, as injected ones), so
 that ratio clips, masks and per-mini-batch token selections act.
 """
@@ -55,11 +58,25 @@ def main() -> None:
     script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
     stale = overrides.pop("stale", "0") == "1"
+    fsdp2 = overrides.pop("fsdp2", "0") == "1"
     mod = importlib.import_module(script)
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
     accelerator = Accelerator(
         cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None
     )
+    if fsdp2:  # accelerate turns FSDP on for accelerator processes only (common/run.py refuses a CPU launch)
+        from accelerate import FullyShardedDataParallelPlugin, PartialState
+
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
+            state_dict_type="FULL_STATE_DICT",
+            reshard_after_forward=True,
+        )
+        # AcceleratorState copies PartialState's fields whenever it is built again (accelerate does, inside prepare)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
     rank, world = accelerator.process_index, accelerator.num_processes
     args = mod.Args(
         group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6
@@ -97,13 +114,23 @@ def main() -> None:
     before = {
         k: v.clone() for k, v in (accelerator.get_state_dict(policy) or {}).items()
     }  # full, on rank 0 (ZeRO-3: gathered)
-    if deepspeed:  # the vLLM weight push under ZeRO-3: every rank gets the full tensors under the checkpoint's names
+    if deepspeed or fsdp2:  # the vLLM weight push when sharded: every rank gets the full tensors, checkpoint names
         from common.sampling import iter_weight_buckets
         from tests.test_sampling import _assert_matches_checkpoint, _checkpoint, _flatten
 
-        _assert_matches_checkpoint(
-            _flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), _checkpoint(model_dir)
-        )
+        ckpt = _checkpoint(model_dir)  # fp32; FSDP2 keeps the fp64 the worker loads (exact copies), DeepSpeed fp32
+        ckpt = {k: v.double() for k, v in ckpt.items()} if fsdp2 else ckpt
+        _assert_matches_checkpoint(_flatten(iter_weight_buckets(accelerator.unwrap_model(policy).lm, 20_000)), ckpt)
+    if fsdp2:  # HF generate on the sharded policy: ranks of different prompt counts and lengths finish together
+        from transformers import AutoTokenizer
+
+        from common.run import load_sampler
+
+        assert accelerator.is_fsdp2 and type(policy).__name__ == "FSDPTokenLogProbs"
+        sampler = load_sampler(mod.Args(sampler="hf"), model, AutoTokenizer.from_pretrained(model_dir), accelerator)
+        prompts = [[5, 6, 7], [8, 9]][: rank + 1]
+        sampled = sampler.generate(prompts, 2, 1.0, 1.0, 3 + 2 * rank)
+        assert len(sampled) == 2 * len(prompts) and all(0 < len(c.token_ids) <= 3 + 2 * rank for c in sampled)
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
     batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
@@ -115,7 +142,8 @@ def main() -> None:
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
-        tag = ("_zero3" if deepspeed else "") + "".join(f"_{k}{v}" for k, v in overrides.items())
+        tag = ("_zero3" if deepspeed else "") + ("_fsdp2" if fsdp2 else "")
+        tag += "".join(f"_{k}{v}" for k, v in overrides.items())
         tag += "_stale" if stale else ""
         torch.save(
             {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
