@@ -94,8 +94,11 @@ def ours(model: str, data: str, a, script: str = os.path.join(ROOT, "grpo.py")) 
     ]
     cmd += ["--gradient-checkpointing"] * a.gradient_checkpointing
     cmd += ["--micro-batch-size", str(a.micro_batch)] * (a.micro_batch > 0)
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(script))}
-    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    path = [os.path.dirname(os.path.abspath(script)), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{os.path.basename(script)} failed:\n{proc.stderr[-4000:]}")
     (run,) = os.listdir(out)
     rows = [json.loads(line) for line in open(os.path.join(out, run, "metrics.jsonl"))][a.warmup :]
     phases = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("time/")}
@@ -104,6 +107,7 @@ def ours(model: str, data: str, a, script: str = os.path.join(ROOT, "grpo.py")) 
 
 def trl(model: str, data: str, a) -> float:
     import datasets
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -143,8 +147,8 @@ def trl(model: str, data: str, a) -> float:
         max_steps=a.steps,
         logging_steps=1,
         report_to="none",
-        use_cpu=True,
-        bf16=False,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),  # grpo.py's --mixed-precision auto: bf16 autocast on CUDA
         save_strategy="no",
         gradient_accumulation_steps=1,
         disable_dropout=True,
@@ -197,8 +201,10 @@ def main() -> None:
 
     med = [statistics.median(r[k] for r in rows) for k in range(len(rows[0]))]
     head = "| | grpo.py | TRL GRPOTrainer | ours / TRL |" + (" baseline | baseline / TRL |" if a.baseline else "")
+    cuda = torch.cuda.is_available()
+    where = f"{torch.cuda.get_device_name()}, bf16 autocast" if cuda else f"{os.cpu_count()} CPU threads, fp32"
     lines = [
-        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, "
         f"trl {trl_pkg.__version__}; Qwen2 hidden {a.hidden} x {a.layers} layers, "
         f"{a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, beta {a.beta}, "
         f"gradient checkpointing: {'on' if a.gradient_checkpointing else 'off'} (both sides), "
@@ -214,7 +220,8 @@ def main() -> None:
     lines += ["", "grpo.py phases, last round (median s): " + shown]
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    name = f"step_cpu_h{a.hidden}x{a.layers}_{a.new_tokens}tok{'_gc' if a.gradient_checkpointing else ''}.md"
+    gc = "_gc" if a.gradient_checkpointing else ""
+    name = f"step_{'cuda' if cuda else 'cpu'}_h{a.hidden}x{a.layers}_{a.new_tokens}tok{gc}.md"
     with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
         f.write(table + "\n")
     print(table)
