@@ -279,26 +279,27 @@ class TrainData:
         """data/* metrics, summed (counts) or averaged (pass rate) over ranks; the tracker's quantiles and the share
         of all groups so far taken by the most sampled prompt / 10 prompts (after the step's update; identical on
         every rank), and the distinct training rows among all ranks' sampled groups."""
-        counts = [
-            sum(groups.pass_rate),
-            len(groups.pass_rate),
-            sum(groups.injected),
-            groups.bare,
-            groups.replayed,
-            len(self.buffer.groups),
-        ]
-        s = accelerator.reduce(torch.tensor(counts, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+        counts = {
+            "pass_rate_sum": sum(groups.pass_rate),
+            "groups": len(groups.pass_rate),
+            "gt_injected": sum(groups.injected),
+            "gt_injected_bare": groups.bare,
+            "replayed": groups.replayed,
+            "replay_buffer_size": len(self.buffer.groups),
+        }
+        summed = torch.tensor(list(counts.values()), dtype=torch.float64, device=accelerator.device)
+        total = dict(zip(counts, accelerator.reduce(summed, "sum").tolist()))  # over ranks
         rows = torch.tensor(groups.rows, dtype=torch.int64, device=accelerator.device)
         rows = accelerator.gather(accelerator.pad_across_processes(rows, pad_index=-1))
         rows = rows[rows >= 0]
         q10, q50, q90 = np.quantile(self.tracker.pass_rate(), [0.1, 0.5, 0.9]).tolist()
         top = np.sort(self.tracker.groups)[::-1] / max(self.tracker.groups.sum(), 1.0)
         return {
-            "data/prompt_pass_rate_mean": s[0] / max(s[1], 1.0),
-            "data/gt_injected": s[2],
-            "data/gt_injected_bare": s[3],
-            "data/replayed": s[4],
-            "data/replay_buffer_size": s[5],
+            "data/prompt_pass_rate_mean": total["pass_rate_sum"] / max(total["groups"], 1.0),
+            "data/gt_injected": total["gt_injected"],
+            "data/gt_injected_bare": total["gt_injected_bare"],
+            "data/replayed": total["replayed"],
+            "data/replay_buffer_size": total["replay_buffer_size"],
             "data/distinct_prompts_frac": len(set(rows.tolist())) / max(len(rows), 1),
             "data/top_prompt_share": float(top[0]),
             "data/top10_prompt_share": float(top[:10].sum()),

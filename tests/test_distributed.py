@@ -166,6 +166,7 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # both ranks end quietly
     (run_dir,) = glob.glob(os.path.join(tmp_path, "z3__*"))  # the ranks agreed on one run directory
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1], rows

@@ -125,6 +125,12 @@ def test_a_chat_template_the_model_lacks_is_said_once(gemma, toy_assets, tmp_pat
     args.answer_column, args.max_prompt_tokens = "answer", 64
     data, _ = load_data(args, tok, lines.append)
     assert lines == [note] and all(p[0] == tok.bos_token_id for p in data.prompts)
+    profile = [sys.executable, os.path.join(ROOT, "tools", "profile_data.py"), "--model-name-or-path", gemma]
+    profile += ["--dataset-name", toy_assets["train"], "--prompt-column", "question", "--answer-column", "answer"]
+    profile += ["--prompt-template", "qwen-boxed", "--sampler", "hf", "--samples", "2", "--limit", "2"]
+    profile += ["--max-new-tokens", "2", "--output", str(tmp_path / "profile.jsonl")]
+    proc = subprocess.run(profile, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.splitlines().count(note) == 1, proc.stdout + proc.stderr[-2000:]
 
 
 # Every script on a Gemma-3 base model, both samplers -------------------------------------------------------------

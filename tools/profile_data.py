@@ -131,7 +131,7 @@ def main(args: Args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import STOP_STRINGS, encode_prompts, load_rows
+    from common.data import STOP_STRINGS, chat_template_note, encode_prompts, load_rows
     from common.reward import answer_format_for
     from common.sampling import make_sampler
 
@@ -154,6 +154,8 @@ def main(args: Args) -> None:
         "--dataset-name",
     )
     prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name")
+    if note := chat_template_note(args.prompt_template, tokenizer, args.model_name_or_path):
+        print(note)  # as the training scripts say it
     n = min(len(prompts), args.limit) if args.limit else len(prompts)
     sampler = make_sampler(
         args.sampler,
