@@ -136,7 +136,7 @@ def build_gemma3(out_dir: str, seed: int = 0, softcap: float | None = 30.0) -> s
     """A tiny random Gemma3ForCausalLM (a family unlike Qwen2 and Llama: sliding-window and global attention layers,
     embeddings scaled by sqrt(hidden) and tied to the output layer, a soft cap c tanh(z / c) on the logits) with a
     tokenizer that adds BOS and has no chat template: what a user's own base model brings. hidden 128, 2 heads of 64
-    (vLLM's CPU attention), a 16-token window, so prompt plus completion cross it."""
+    (vLLM's CPU attention), an 8-token window, which prompt plus completion cross (5 + 8 tokens in the tests)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -151,7 +151,7 @@ def build_gemma3(out_dir: str, seed: int = 0, softcap: float | None = 30.0) -> s
         num_key_value_heads=1,
         head_dim=64,
         max_position_embeddings=512,
-        sliding_window=16,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
         final_logit_softcapping=softcap,
         tie_word_embeddings=True,
