@@ -2,7 +2,8 @@
 """Clip-Cov and KL-Cov: restrain the tokens whose log-prob and advantage covary most.
 
 Paper: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
-Models", https://arxiv.org/abs/2505.22617 (code: github.com/PRIME-RL/Entropy-Mechanism-of-RL).
+Models", https://arxiv.org/abs/2505.22617 (v1), section 4.2, eqs. (10)-(14) and Listing 1 (which
+adds the PPO clip to eq. (12)); hyperparameters: section 4.3. Code: PRIME-RL/Entropy-Mechanism-of-RL.
 
 What this algorithm changes vs GRPO: entropy collapses while log pi and A covary, so a tiny share of
 the highest-covariance tokens leaves the update (Clip-Cov) or is held near pi_old (KL-Cov), as the
@@ -22,7 +23,8 @@ official 7B recipes (recipe/dapo/7b_clip_cov.sh, 7b_kl_cov.sh): Qwen2.5-7B, G = 
 step in 8 mini-batches, lr 5e-7, 2048 prompt and 8192 new tokens, beta 0; Clip-Cov: eps 1 / 1, ratio
 2e-4, band (1, 5); KL-Cov: coef 1, k_percent 0.2 = ratio 2e-3 (32B: 2e-4). Not here (dapo.py has
 them): the recipes' dynamic sampling (on) and overlong reward (off); their clip_ratio_c is unused by
-both losses. Data: the authors' own (\\boxed{} answers, 0/1 reward), so grpo.py's MATH. Choices: std
+both losses. Data: DAPO-MATH (section 4.3) in the authors' own files (\\boxed{} answers, 0/1 reward),
+not on the hub, so grpo.py's MATH. Choices: std
 unbiased, eps_std = 1e-6, ties at the k-th value broken by the keys; --rollout-correction (not from
 the paper) weights the policy term.
 

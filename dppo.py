@@ -2,7 +2,8 @@
 """DPPO: Divergence Proximal Policy Optimization.
 
 Paper: "Rethinking the Trust Region in LLM Reinforcement Learning", Qi et al. 2026,
-https://arxiv.org/abs/2602.04879. Official code: sail-sg/Stable-RL (compute_policy_loss_with_mask).
+https://arxiv.org/abs/2602.04879 (v3), section 4.3, eq. (12), binary TV / KL eqs. (13)-(14), the
+gradient form eq. (23) (App. C.1). Official code: sail-sg/Stable-RL (compute_policy_loss_with_mask).
 
 What this algorithm changes vs GRPO: the ratio is to the behaviour policy mu, the sampler's own
 log-probs (vLLM's or HF generate's; with --off-policy-steps K, the policy of K steps ago), and PPO's
@@ -25,8 +26,10 @@ Defaults from the authors' verl script (PR #5397 examples/dppo_trainer/run_qwen3
 run_qwen3_30b_a3b_megatron.sh): mu = the rollout policy ("bypass mode", §5.2), delta 0.15 for TV
 (0.05 for KL), C off (1e4 there), no KL, seq-mean-token-sum-norm (L_max = --max-new-tokens),
 DAPO-Math-17k (as dapo.py loads it), G=16, 256 prompts per step in 8 mini-batches, 8192 new tokens,
-lr 1e-6. Our choices: Qwen3-8B-Base (the paper's Qwen3-30B-A3B-Base MoE does not fit one node);
-grpo.py's evaluation (the authors': AIME 2024). Not implemented: the Top-K divergence.
+lr 1e-6; delta and C as the paper's App. C.1 (its scaling runs, App. E: delta_TV 0.2 and C = 5,
+--dppo-delta-low 0.2 --dppo-delta-high 0.2 --dppo-is-cap 5). Our choices: Qwen3-8B-Base (the
+paper's Qwen3-30B-A3B-Base MoE does not fit one node); grpo.py's evaluation (the authors': AIME
+2024). Not implemented: the Top-K divergence.
 
     accelerate launch dppo.py                                  # the paper setting, on GPUs
     python dppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run

@@ -1,7 +1,8 @@
 # docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
 """GMPO: Geometric-Mean Policy Optimization.
 
-Paper: Zhao et al. 2025, https://arxiv.org/abs/2507.20673. Official code: callsys/GMPO
+Paper: Zhao et al. 2025, https://arxiv.org/abs/2507.20673 (v3), section 3, eq. (4) and Algorithm 1;
+the clip range e^(+-0.4): section 3 (ii) and Table 5. Official code: callsys/GMPO
 (train_zero_math_gmpo.py, scripts/qwen2.5-math-7b-gmpo.sh) on the oat framework, as Dr. GRPO's.
 
 What this algorithm changes vs GRPO: a sequence's objective is the geometric mean of its tokens'
@@ -19,7 +20,8 @@ GRPO's. Defaults: the official qwen2.5-math-7b-gmpo.sh: Qwen2.5-Math-7B, the Qwe
 (qwen-boxed), G = 8, 128 prompts per step, 3000 new tokens, prompts up to 1024 tokens, lr 1e-6
 constant, temperature 1, top_p 1, clip range 0.4 in log space (CLIPRANGE; r in [0.67, 1.49]),
 beta = 0, one epoch of 8 optimizer steps (train_batch_size 128 of 1024 samples), evaluation at
-temperature 0.6, top_p 0.95, 16 samples, 3000 tokens (its --eval flags; eval.sh: greedy). Its data,
+temperature 0.6, top_p 0.95, 16 samples, 3000 tokens (its --eval flags; eval.sh and the paper's
+section 4.1: greedy). Its data,
 MATH levels 3-5 (math_lvl3to5_8k, in the repo, no hub id), can be exported to .jsonl for
 --dataset-name; the default is dr_grpo.py's hiyouga/math12k (MATH train+test minus MATH-500). Not
 reproduced: the official zero reward of a truncated completion (dr_grpo.py has it), oat's Adam

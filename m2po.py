@@ -2,7 +2,8 @@
 """M2PO: Second-Moment Trust Policy Optimization.
 
 Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", Zheng
-et al. 2025, https://arxiv.org/abs/2510.01161. Official code: Infini-AI-Lab/M2PO.
+et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) and Algorithm 1 (M2: eq. (4),
+section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
 
 What this algorithm changes vs GRPO: it trains on stale rollouts. The ratio is to the behaviour
 policy mu, the sampler's own log-probs (with --off-policy-steps K, those of the policy of K steps
@@ -23,8 +24,9 @@ every token as a candidate: --m2po-scope all). r is the whole importance weight,
 produce (--gt-injection, --replay) take mu = old_logps. Defaults from the official
 train-scripts/m2po-qwen-math-7b-s*.sh (one node): tau = 0.04 (M2_budget), Qwen2.5-Math-7B,
 DeepScaleR-Preview, 256 prompts x G=8 per step in 4 mini-batches, 2560 new tokens, prompts up to
-1536 tokens, lr 1e-6, no KL. Not reproduced: the official prompt text (qwen-boxed's instead), its
-1201 steps and its evaluation (avg@4 at T=1, top_p 0.7 on MATH-500, AIME, AMC, ...; grpo.py's here).
+1536 tokens, lr 1e-6, no KL. Not reproduced: the official prompt text (qwen-boxed's instead), the
+paper's reward (0.1 for an extractable answer + 1 if correct; ours 0/1), its 1201 steps (paper:
+1000) and its evaluation (avg@4 at T=1, top_p 0.7 on MATH-500, AIME, AMC, ...; grpo.py's here).
 
     accelerate launch m2po.py                                  # the paper setting (s0), on GPUs
     accelerate launch m2po.py --off-policy-steps 64 --num-mini-batches 4   # s256: 256 stale updates

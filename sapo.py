@@ -1,7 +1,8 @@
 # docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
 """SAPO: Soft Adaptive Policy Optimization.
 
-Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347. No official code: the loss as verl,
+Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347, eqs. (5)-(6) as the notes quoting
+its v2 number them (its full text was not available to us). No official code: the loss as verl,
 TRL, SkyRL and AReaL implement it (identically, up to the aggregation).
 
 What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth, temperature-controlled gate
@@ -17,11 +18,12 @@ aggregation is GRPO's per-sequence token mean:
 
 SAPO differs from GRPO only once r != 1: with one update per rollout r = 1 and the two take the same
 step, so the default splits each rollout into 8 optimizer steps, as verl's Qwen3-30B-A3B SAPO
-example (256 prompts in mini-batches of 32). Defaults: tau_pos = 1.0, tau_neg = 1.05, the values
-verl (actor.yaml: "default values used in the paper with Qwen3-30B-A3B-Base"), TRL (docs: "the
-paper's setting"), SkyRL and AReaL ship as the paper's (not checked against its text, which we could
-not read); the paper trains Qwen3-30B-A3B-scale MoE models (and Qwen3-VL), so the model, data, group
-size, batch, lr and lengths are grpo.py's, the mini-batches verl's; no KL (beta = 0; verl's SAPO
+example (256 prompts in mini-batches of 32; the notes on the paper give 4 for its section 5.1).
+Defaults: tau_pos = 1.0, tau_neg = 1.05, the values verl (actor.yaml: "default values used in the
+paper with Qwen3-30B-A3B-Base"), TRL (docs: "the paper's setting"), SkyRL and AReaL ship as the
+paper's, and the notes on its section 5.1 (its text was not available to check); the paper trains
+Qwen3-30B-A3B-scale MoE models (and Qwen3-VL), so the model, data, group size, batch, lr and
+lengths are grpo.py's, the mini-batches verl's; no KL (beta = 0; verl's SAPO
 example: use_kl_loss=False). Choices: the log-ratio is clamped to +-20 before exp (verl, SkyRL; the
 gate is flat there), so r never overflows; A = 0 takes tau_neg (all peers; its term is 0); std
 unbiased, eps_std = 1e-6, A = 0 for a zero-variance group (grpo.py). Not from the paper: the
