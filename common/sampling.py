@@ -24,8 +24,8 @@ prefix caching, optional sleep mode (CUDA). Weights are pushed in place through 
 `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (docs/training/layerwise.md, "Mid Level
 reload_weights API"; vllm/v1/worker/gpu_model_runner.py `reload_weights`), fed lazily from `iter_weight_buckets`,
 which yields Hugging Face checkpoint names with full tensors, gathering sharded parameters (FSDP2 DTensors and
-DeepSpeed ZeRO-3 one ~1 GB bucket at a time; FSDP1 for the whole model). On GPUs it has not been run yet (no GPU
-in the sessions that wrote it): sleep mode, bf16 kernels and CUDA graphs are exercised by no test.
+DeepSpeed ZeRO-3 one ~1 GB bucket at a time; FSDP1 for the whole model). vLLM has not run on a GPU yet (the one
+GPU session could not install it): sleep mode, bf16 kernels and CUDA graphs are exercised by no test.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def _vllm_ready() -> bool:
 @pytest.mark.skipif(not _vllm_ready(), reason="needs CUDA and vllm")
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_multi_step_run_with_vllm(script, toy_assets, tmp_path):
-    """GPU only (never run yet, see docs/gpu.md "GPU status"): a few steps with the vLLM sampler; the log-prob
+    """GPU and vLLM only (never run yet, see docs/gpu.md "GPU status"): a few steps with the vLLM sampler; the log-prob
     canary stays small, i.e. the engine follows the trained weights."""
     run_script(
         script,
