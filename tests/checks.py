@@ -144,8 +144,8 @@ def assert_grad_matches_finite_differences(grad, reference_loss, logps, eps=1e-6
     Tolerance: central differences are off by eps^2 / 6 times the third derivative (~1e-13 here) plus the
     reference's rounding error over eps; a float64 sum of m <= 150 terms of total size S <= 10 rounds by at most
     m u S = 1.7e-13, so at most 1.7e-7 at eps = 1e-6, under the default rtol = 1e-6 (measured: <= 2e-10 on the
-    seven scripts' tests). A position within eps of a kink of the reference (a clip boundary) would get the mean of
-    the two slopes: the tests' rollouts keep their ratios away from the clip boundaries."""
+    first seven scripts' tests). A position within eps of a kink of the reference (a clip boundary) would get the
+    mean of the two slopes: the tests' rollouts keep their ratios away from the clip boundaries."""
     base = logps.detach().to(torch.float64)
     nonzero = 0
     for i, t in itertools.product(range(base.shape[0]), range(base.shape[1])):
