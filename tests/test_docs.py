@@ -113,3 +113,17 @@ def test_links_between_the_docs_resolve():
 def test_readme_is_the_way_in():
     """README stays short: set-up, quickstarts, the algorithms, forking, sweeps; the reference lives in docs/."""
     assert len(doc("README.md").splitlines()) <= 300
+
+
+def test_the_readmes_shape_figures_are_grpos():
+    """The README's "grpo.py is N lines, its `main()` M, of which setup is S" is measured, not remembered."""
+    import ast
+
+    text = " ".join(doc("README.md").split())
+    quoted = re.search(r"grpo\.py is (\d+) lines, its `main\(\)` (\d+), of which setup is (\d+)", text)
+    n, m, s = map(int, quoted.groups())
+    source = doc("grpo.py")
+    main = next(f for f in ast.parse(source).body if isinstance(f, ast.FunctionDef) and f.name == "main")
+    loop = next(node for node in main.body if isinstance(node, ast.For))
+    setup = loop.lineno - main.lineno  # as tests/test_shape.py counts it
+    assert (n, m, s) == (len(source.splitlines()), main.end_lineno - main.lineno + 1, setup)
