@@ -69,20 +69,33 @@ CASES += [(s, kw) for s, kw in [
 ] if s in SCRIPTS]  # fmt: skip
 
 
+# FSDP2 as well (see the test's docstring): grpo, LitePPO's batch std, DARO's weights, and the token selections of
+# Clip-Cov and M2PO over both ranks' mini-batch (their first case each)
+FSDP2_CASES = [(s, kw) for s, kw in CASES if s in ("grpo", "lite_ppo", "daro")]
+FSDP2_CASES += [(s, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,kw", CASES, ids=[s + "".join(f"-{v}" for v in kw.values()) for s, kw in CASES])
 def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, toy_assets, tmp_path):
+    """And for FSDP2_CASES, FSDP2 (accelerate's `fully_shard` of each decoder layer and of the policy, as
+    configs/fsdp2.yaml) on 2 CPU processes in micro-batches: the same update, the weight push gathers full tensors,
+    and HF generate samples from the sharded policy with ranks of different lengths (tests/dist_worker.py). accelerate
+    turns FSDP on for accelerator processes only, so the worker sets that state itself on CPU ones."""
     whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1, **kw)
     micro = run_worker(script, tmp_path, toy_assets["model"], 3, 1, micro_batch_tokens=0, **kw)  # rows, in order
     dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2, **kw)  # the default token budget, <= 3 rows each
     packed = run_worker(script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20, **kw)  # by tokens
     assert whole["world_size"] == 1 and dist["world_size"] == 2 and packed["world_size"] == 2
+    others = {"micro-batches": micro, "2 ranks": dist, "2 ranks, token budget": packed}
+    if (script, kw) in FSDP2_CASES:
+        others["FSDP2"] = run_worker(script, tmp_path, toy_assets["model"], 3, 2, fsdp2=True, **kw)
+        assert others["FSDP2"]["type"] == "DistributedType.FSDP"
     norm = sum(g.norm() ** 2 for g in whole["grad"].values()) ** 0.5
     assert norm > 1e-6  # the rollout really produces a gradient
     for k, g in whole["grad"].items():
-        torch.testing.assert_close(micro["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"micro-batches: {k}")
-        torch.testing.assert_close(dist["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks: {k}")
-        torch.testing.assert_close(packed["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"2 ranks, token budget: {k}")
+        for name, other in others.items():  # float64 throughout
+            torch.testing.assert_close(other["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"{name}: {k}")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -123,26 +136,6 @@ def test_zero3_gives_the_same_update(micro, toy_assets, tmp_path):
     # Comput. 2019) gives 10 sqrt(128) 6e-8 = 7e-6 relative: rtol 1e-5, atol 1e-6 for entries near 0.
     for k, g in whole["grad"].items():
         torch.testing.assert_close(zero3["grad"][k].double(), g, rtol=1e-5, atol=1e-6, msg=f"ZeRO-3: {k}")
-
-
-FSDP2_CASES = [("grpo", 16, {}), ("grpo", 3, {}), ("lite_ppo", 3, {}), ("daro", 3, {})]
-FSDP2_CASES += [(s, 3, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]  # Clip-Cov's and M2PO's first
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script,micro,kw", FSDP2_CASES, ids=[f"{s}-{m}-{len(kw)}" for s, m, kw in FSDP2_CASES])
-def test_fsdp2_gives_the_same_update_and_samples_on_the_sharded_policy(script, micro, kw, toy_assets, tmp_path):
-    """FSDP2 (accelerate's `fully_shard` of each decoder layer and of the policy, as configs/fsdp2.yaml) on 2 CPU
-    processes gives the update of 1 process, whole or in k micro-batches (LitePPO's batch std, DARO's weights and the
-    token selections of Clip-Cov and M2PO over the mini-batch of both ranks included); the weight push gathers the
-    full tensors; HF generate samples from the sharded policy with ranks of different lengths (tests/dist_worker.py).
-    accelerate turns FSDP on for accelerator processes only, so the worker sets that state itself on CPU ones."""
-    whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1, **kw)
-    fsdp2 = run_worker(script, tmp_path, toy_assets["model"], micro, 2, fsdp2=True, **kw)
-    assert fsdp2["world_size"] == 2 and fsdp2["type"] == "DistributedType.FSDP"
-    assert sum(g.norm() ** 2 for g in whole["grad"].values()) > 1e-12  # the rollout really produces a gradient
-    for k, g in whole["grad"].items():  # fp64 throughout, as the DDP comparison above
-        torch.testing.assert_close(fsdp2["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"FSDP2: {k}")
 
 
 @pytest.mark.slow
