@@ -493,7 +493,7 @@ def main(args: Args) -> None:
         with torch.no_grad():
             if recompute and has_signal:
                 batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
-            data.finish_batch(groups, batch)  # DATA: --replay's stored log-probs and buffer
+            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")

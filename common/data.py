@@ -31,8 +31,8 @@ from common.data_strategies import (
     TrainGroups,
     draw_probabilities,
     draw_prompts,
-    finish_batch,
     inject_and_replay,
+    update_replay,
 )
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion, _done
@@ -254,11 +254,11 @@ class TrainData:
         self.tracker.update(all_rows, all_correct, self.args.group_size, self.args.tracker_half_life)
         return groups
 
-    def finish_batch(self, groups: TrainGroups, batch: dict) -> None:
+    def update_replay(self, groups: TrainGroups, batch: dict) -> None:
         """--replay, after the old log-probs: replayed rows take their stored ones, high-value groups are stored
-        (common.data_strategies.finish_batch)."""
+        (common.data_strategies.update_replay)."""
         if self.args.replay and "old_logps" in batch:
-            finish_batch(self.buffer, groups, batch, self.args.group_size)
+            update_replay(self.buffer, groups, batch, self.args.group_size)
 
     def demo(self, row: int) -> Demonstration | None:
         """The row's demonstration: the first candidate that fits in --max-new-tokens (EOS included) and that the

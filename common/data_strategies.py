@@ -20,7 +20,7 @@ script.
 - `inject_and_replay` (before the batch is built): `--gt-injection` replaces the last completion of an all-wrong
   group by a verified demonstration (on at most --gt-injection-max-frac of a rank's groups); `--replay` replaces a
   group with no signal (all rewards equal) by the newest group of a `ReplayBuffer` of high-value groups at most
-  --replay-max-age steps old, whose per-token log-probs under the generating policy were stored. `finish_batch`
+  --replay-max-age steps old, whose per-token log-probs under the generating policy were stored. `update_replay`
   (after the old log-probs): replayed rows take those log-probs, with the ratio of rows with A < 0 capped at
   REPLAY_RATIO_CAP, and new high-value groups are stored.
 """
@@ -246,7 +246,7 @@ def inject_and_replay(
     return out
 
 
-def finish_batch(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_size: int) -> None:
+def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_size: int) -> None:
     """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
     the policy that generated them), raised where needed so that a row with A < 0 starts the step with ratio at
     most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A unbounded below for A < 0, and a stale token

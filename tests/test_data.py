@@ -29,9 +29,9 @@ from common.data_strategies import (
     ReplayBuffer,
     draw_probabilities,
     draw_prompts,
-    finish_batch,
     inject_and_replay,
     sampling_weights,
+    update_replay,
 )
 from common.sampling import Completion
 from tests.checks import launch_cmd
@@ -351,7 +351,7 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
     current[3, 0] = current[5, 0] = -0.5  # the stored -2.0 would give these A < 0 tokens a ratio e^1.5 = 4.5 > 3
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     batch = {"old_logps": current.clone(), "mask": mask, "advantages": adv}
-    finish_batch(data.buffer, train, batch, g)
+    update_replay(data.buffer, train, batch, g)
     for r in (2, 4):  # both replayed groups carried these log-probs; A > 0 rows take them as they are
         assert batch["old_logps"][r, :2].tolist() == [-0.5, -1.5]
         assert batch["old_logps"][r + 1, 0].item() == pytest.approx(-0.5 - math.log(REPLAY_RATIO_CAP))  # dual-clip cap
