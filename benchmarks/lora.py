@@ -126,6 +126,8 @@ def main() -> None:
     p.add_argument("--sampler", default="vllm")
     p.add_argument("--timing-rounds", type=int, default=0, help="instead: full and LoRA alternately, N rounds")
     p.add_argument("--timing-steps", type=int, default=4)
+    p.add_argument("--results", default="lora.md", help="the table's file in benchmarks/results/")
+    p.add_argument("--only", default="", help="run only these settings (e.g. lora_r8,lora_r32); default: all")
     a = p.parse_args()
     model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
     out = os.path.join(a.data, "lora")
@@ -137,6 +139,8 @@ def main() -> None:
     settings += [(f"lora_r{r}", int(r), a.lora_lr, seeds[:1], []) for r in a.more_ranks.split(",") if r]
     if a.sampler == "vllm":  # vLLM's LoRA path instead of merged weights, first seed
         settings.append((f"lora_r{a.rank}_adapter", a.rank, a.lora_lr, seeds[:1], ["--lora-sync", "adapter"]))
+    if a.only:
+        settings = [x for x in settings if x[0] in a.only.split(",")]
     for script in [x for x in a.scripts.split(",") if x]:
         for setting, rank, lr, its_seeds, extra in settings:
             accs, secs, rss, opt = [], [], [], []
@@ -172,7 +176,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", "lora.md"), "w") as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", a.results), "w") as f:
         f.write(table + "\n")
     print(table)
 
