@@ -224,7 +224,15 @@ def test_vllm_gets_the_lora_policy_after_every_update(sync, vllm_assets, tmp_pat
 
     flags = {**LORA, "lora-sync": sync, "beta": 0, "prompts-per-step": 16, "learning-rate": 5e-2}
     run_script("grpo", vllm_flags(vllm_assets, tmp_path / "sync", 3, **flags, **{"exp-name": "s"}))
-    assert_canary(read_metrics(glob.glob(os.path.join(tmp_path, "sync", "s__*"))[0]), min_updates=2)
+    (run_dir,) = glob.glob(os.path.join(tmp_path, "sync", "s__*"))
+    assert_canary(read_metrics(run_dir), min_updates=2)
+    if sync == "merged":  # the checkpoint's merged model/ is what a vLLM engine loads: evaluate it with one
+        evaluation = {"total-steps": 0, "resume": run_dir, "exp-name": "e", "eval-every": 1, "eval-samples": 2}
+        evaluation.update({"eval-datasets": vllm_assets["test"], "eval-prompt-column": "question"})
+        evaluation.update({"eval-answer-column": "answer", "eval-max-new-tokens": 3, "eval-limit": 8})
+        run_script("grpo", vllm_flags(vllm_assets, tmp_path / "eval", 0, **evaluation))
+        (row,) = read_metrics(glob.glob(os.path.join(tmp_path, "eval", "e__*"))[0])
+        assert "eval/test/avg@2" in row, row
     if sync == "adapter":
         run_script(
             "grpo", vllm_flags(vllm_assets, tmp_path / "k1", 3, **flags, **{"exp-name": "k", "off-policy-steps": 1})
