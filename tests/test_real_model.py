@@ -219,3 +219,31 @@ def test_the_readmes_cpu_command_runs_as_written(smol, out_dir):
     (run_dir,) = glob.glob(os.path.join(out_dir, "grpo__1__*"))
     assert "eval/test/avg@2" in read_metrics(run_dir)[-1]
     assert json.load(open(os.path.join(run_dir, "args.json")))["beta"] == 0  # grpo.py runs without a reference
+
+
+@pytest.mark.slow
+def test_a_trainer_pushes_every_update_into_a_server_of_the_real_model(smol, out_dir):
+    """tools/vllm_server.py serving SmolLM2 (vLLM's CPU build, 127.0.0.1) and grpo.py with --vllm-mode server: after
+    every push over the gloo process group the server's log-probs are the trainer's through the 30 fp32 layers
+    (canary below 1e-4), and both processes end quietly. (Two trainer processes: tests/test_server.py, toy model.)"""
+    from tests.test_server import assert_canary, start_server, stop_server
+
+    proc, port = start_server(smol["model"], os.path.join(str(out_dir), "server.log"))
+    try:
+        flags = {"vllm-mode": "server", "vllm-server-port": port, "vllm-server-timeout": 300, "sampler": "vllm"}
+        flags.update({"model-name-or-path": smol["model"], "dataset-name": smol["train"], "prompt-column": "question"})
+        flags.update({"answer-column": "answer", "prompt-template": "qwen-boxed", "reward-format": "any", "beta": 0})
+        flags.update({"group-size": 4, "prompts-per-step": 2, "max-new-tokens": 12, "max-prompt-tokens": 100})
+        flags.update({"learning-rate": 1e-5, "total-steps": 3, "output-dir": str(out_dir), "save-every": 0})
+        # --gt-injection: every all-wrong group gets a demonstration, so every step trains and measures the canary
+        args = [x for k, v in flags.items() for x in (f"--{k}", str(v))] + ["--gt-injection"]
+        run = subprocess.run(
+            [sys.executable, "grpo.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
+        )
+    finally:
+        stop_server(proc)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stdout[-2000:] + run.stderr[-3000:]
+    (run_dir,) = glob.glob(os.path.join(str(out_dir), "grpo__1__*"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("train/logprob_diff_max" in r for r in rows), rows
+    assert_canary(rows)
