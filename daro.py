@@ -329,6 +329,8 @@ class DaroWeights:
         self.log_w = log_w.clamp(*self.bounds).requires_grad_()
         optimizer = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[args.daro_w_optimizer]
         self.optimizer = optimizer([self.log_w], lr=args.daro_w_lr)
+        self.interior = torch.ones_like(log_w, dtype=torch.bool)  # 0 < mu < 1: c = 1..G-1
+        self.interior[0] = self.interior[args.group_size] = False
 
     def weights(self) -> torch.Tensor:
         """w_mu, detached: the policy step treats them as constants."""
@@ -337,8 +339,7 @@ class DaroWeights:
     def step(self, mass: torch.Tensor, present: torch.Tensor) -> None:
         """One step on sum_mu (exp(s_mu) M_mu - s_mu) over the present buckets 0 < mu < 1, then s
         clamped to the bounds (W eq. 4, M for L). Absent buckets keep their weight. No host sync."""
-        present = present.clone()
-        present[0] = present[self.group_size] = False
+        present = present & self.interior
         with torch.enable_grad():
             objective = torch.where(present, self.log_w.exp() * mass - self.log_w, 0.0).sum()
             self.optimizer.zero_grad()

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from common.reward import extract_final_answer, score
 
@@ -206,6 +207,8 @@ def evaluate(sampler, eval_sets, args) -> dict[str, float]:
 
 def gather(accelerator, x: torch.Tensor) -> torch.Tensor:
     """Every rank's values of `x` (flattened, as float) in one 1-D tensor; ranks may hold different counts."""
+    if isinstance(x, DTensor):  # FSDP2's clip_grad_norm_ returns the norm as a DTensor
+        x = x.full_tensor()
     x = accelerator.pad_across_processes(x.float().reshape(-1), pad_index=float("nan"))
     x = accelerator.gather(x)
     return x[~x.isnan()]

@@ -138,7 +138,12 @@ def main() -> None:
         batch["old_logps"], batch["sampler_logps"] = old_logps[share], sampler_logps[share]
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, batch["mask"].shape[1], generator=g, dtype=torch.float64) * 6)[share]
-    mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+    stats = mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+    if fsdp2:  # the update's stats as step_metrics gathers them (FSDP2's clip_grad_norm_ returns a DTensor)
+        from common.metrics import gather
+
+        norms = gather(accelerator, stats["grad_norm"])
+        assert len(norms) == world and torch.isfinite(norms).all(), norms
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
