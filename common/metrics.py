@@ -98,7 +98,9 @@ def text_features(texts: Sequence[str], group_size: int) -> np.ndarray:
     """[len(texts), len(FEATURES)] numbers per completion (groups of `group_size` contiguous): 4-gram repetition,
     its group's distinct 2-gram fraction, any reflection word (0/1), language mixing (0/1), each pattern (0/1)."""
     groups = [texts[i : i + group_size] for i in range(0, len(texts), group_size)]
-    distinct = [distinct_ngrams(g, 2) for g in groups for _ in g]
+    distinct = []
+    for g in groups:  # once per group, repeated on each of its completions
+        distinct += [distinct_ngrams(g, 2)] * len(g)
     rows = [
         [
             repetition_rate(t),
