@@ -151,8 +151,8 @@ GEMMA_CASES = [(s, "vllm") for s in SCRIPTS] + [("grpo", "hf")]
 def test_every_script_trains_a_gemma3_base_model(script, sampler, gemma, toy_assets, tmp_path):
     """Two steps on the toy task with the raw-text template: the prompts start with the tokenizer's BOS (the ids
     vLLM samples from are the trainer's: the canary would show any other), every step's canary is below 1e-4 (HF
-    generate's processed log-probs too: the trainer applies the model's soft cap), and the run ends without a
-    traceback."""
+    generate's processed log-probs too: the trainer applies the model's soft cap), the rollout correction's weights
+    are 1 on vLLM, and the run ends without a traceback."""
     if sampler == "vllm":
         pytest.importorskip("vllm")
     extra = {**LEARN_FLAGS[script], "model-name-or-path": gemma, "sampler": sampler, "max-new-tokens": 8}
@@ -171,3 +171,7 @@ def test_every_script_trains_a_gemma3_base_model(script, sampler, gemma, toy_ass
     assert [r["step"] for r in rows] == [0, 1] and diffs and max(diffs) < LOGPROB_ATOL, diffs
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         assert json.loads(f.readline())["prompt"].startswith("<bos>")
+    if sampler == "vllm" and script not in ("dppo", "m2po"):  # theirs is the sampler's ratio, no correction on top
+        # --rollout-correction auto is token-truncate with vLLM: in fp32 its weights exp(old - sampler) are 1
+        weights = [r[f"train/rollout_corr_weight_{k}"] for r in rows for k in ("min", "max") if "train/loss" in r]
+        assert weights and all(abs(w - 1) < LOGPROB_ATOL for w in weights), weights

@@ -94,11 +94,20 @@ def read_metrics(run_dir: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_end_to_end_run_directory(script, toy_assets, tmp_path):
-    run_script(script, toy_flags(toy_assets, str(tmp_path), 3, **{"save-every": 2, "exp-name": "e2e", "seed": 7}))
+    """Three steps with a checkpoint at 2 and an evaluation at every step: the run directory holds what
+    docs/metrics.md and README describe, and every metric key logged is documented in docs/metrics.md."""
+    from tests.test_docs import undocumented_metric_keys
+
+    flags = {"save-every": 2, "exp-name": "e2e", "seed": 7, "eval-every": 1, "eval-limit": 4, "eval-max-new-tokens": 2}
+    flags.update({"eval-datasets": toy_assets["test"], "eval-prompt-column": "question"})
+    flags.update({"eval-answer-column": "answer", "eval-samples": 1})
+    run_script(script, toy_flags(toy_assets, str(tmp_path), 3, **flags))
     (run_dir,) = glob.glob(os.path.join(tmp_path, "e2e__7__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert REQUIRED_KEYS <= set(rows[0])
+    assert REQUIRED_KEYS <= set(rows[0]) and "eval/test/avg@1" in rows[0]
+    missing = undocumented_metric_keys({k for r in rows for k in r if k != "step"})
+    assert not missing, f"{script}.py metric keys missing from docs/metrics.md: {missing}"
     assert all(isinstance(v, (int, float)) for r in rows for v in r.values())
     assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
     with open(os.path.join(run_dir, "args.json")) as f:
