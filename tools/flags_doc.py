@@ -37,8 +37,8 @@ NOTES = {
     "vllm_tensor_parallel_size": "see [Multi-GPU](gpu.md#multi-gpu)",
     "vllm_enable_sleep_mode": "vLLM's CPU backend cannot sleep",
     "prompt_sampling": "medium weights a prompt by s(p) = 1 − p^G − (1 − p)^G, the chance that a group of G "
-    "completions at its estimated pass rate p has a signal; curriculum by s(p) · exp(−(p − τ)² / (2 · 0.2²)), τ going "
-    "from 1 to `--curriculum-min-target`; see [Data strategies](data_strategies.md)",
+    "completions at its estimated pass rate p has a signal; curriculum by s(p) · exp(−(p − τ)² / (2 · 0.2²)), "
+    "τ going from 1 to `--curriculum-min-target`; see [Data strategies](data_strategies.md)",
     "difficulty_file": "one JSON line per prompt with at least `pass_rate` (and `samples`)",
     "micro_batch_tokens": "8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's worst case; see "
     "[Micro-batches](benchmarks.md#micro-batches)",
