@@ -1,18 +1,19 @@
-"""Worker for tests/test_distributed.py: one gradient of a script's `update_policy` on a fixed rollout, under DDP
-or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built as the scripts build it).
+"""Worker for tests/test_distributed.py: one gradient of a script's `update_policy` on a fixed rollout per job, under
+DDP or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (built as the scripts build it).
 
-    python tests/dist_worker.py SCRIPT OUT_DIR MODEL_DIR MICRO_BATCH [key=value ...]
+    python tests/dist_worker.py OUT_DIR MODEL_DIR [fsdp2=1] JOB [JOB ...]
     torchrun --nproc_per_node 2 tests/dist_worker.py ...
 
-Every rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole
-groups, computes its advantages on that share as main() does (LitePPO's batch std gathers across ranks) and
-runs the script's update with SGD(lr=1) and no clipping, so params_before - params_after is exactly the
-gradient DDP produced. Rank 0 saves it with the world size. `fsdp2=1` (not a flag) prepares the policy with FSDP2
+JOB is `SCRIPT,MICRO_BATCH[,key=value ...]` (Args fields, and `stale=1`); the jobs of one launch share its
+processes (one interpreter and process group start instead of one per job), each on a freshly loaded model. Every
+rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole groups, computes its
+advantages on that share as main() does (LitePPO's batch std gathers across ranks) and runs the script's update with
+SGD(lr=1) and no clipping, so params_before - params_after is exactly the gradient DDP produced. Rank 0 saves it
+with the world size (`job_file` names the file). `fsdp2=1` (not a flag) prepares the policy with FSDP2
 (`fully_shard` per decoder layer and on the policy, as configs/fsdp2.yaml) on CPU processes, setting the state that
 accelerate's launcher sets on GPUs, and also samples with HF generate on the sharded policy (every rank its own
-prompts). `stale=1` (not a flag) makes the rollout off-policy:
-old log-probs = the model's + noise and sampler log-probs = those + noise (NaN on two rows, as injected ones), so
-that ratio clips, masks and per-mini-batch token selections act.
+prompts). `stale=1` makes the rollout off-policy: old log-probs = the model's + noise and sampler log-probs = those +
+noise (NaN on two rows, as injected ones), so that ratio clips, masks and per-mini-batch token selections act.
 """
 
 from __future__ import annotations
@@ -47,42 +48,30 @@ def fixed_rollout(
     return batch, rewards[share], g
 
 
-def main() -> None:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+def job_file(script: str, world: int, micro: int, overrides: dict, zero3: bool = False, fsdp2: bool = False) -> str:
+    """The file a job's gradient is saved to (in OUT_DIR)."""
+    tag = ("_zero3" if zero3 else "") + ("_fsdp2" if fsdp2 else "")
+    tag += "".join(f"_{k}{v}" for k, v in overrides.items())
+    return f"grad_{script}_{world}_{micro}{tag}.pt"
+
+
+def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, overrides: dict, fsdp2: bool):
+    """One job: load the model, build the rollout, run the script's update, and save the gradient on rank 0."""
+    from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM
 
     from common.logprobs import TokenLogProbs
-    from common.run import close_run
 
-    script, out_dir, model_dir, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    overrides = dict(kv.split("=", 1) for kv in sys.argv[5:])
-    stale = overrides.pop("stale", "0") == "1"
-    fsdp2 = overrides.pop("fsdp2", "0") == "1"
     mod = importlib.import_module(script)
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
-    accelerator = Accelerator(
-        cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None
-    )
-    if fsdp2:  # accelerate turns FSDP on for accelerator processes only (common/run.py refuses a CPU launch)
-        from accelerate import FullyShardedDataParallelPlugin, PartialState
-
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
-            state_dict_type="FULL_STATE_DICT",
-            reshard_after_forward=True,
-        )
-        # AcceleratorState copies PartialState's fields whenever it is built again (accelerate does, inside prepare)
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        accelerator.state.distributed_type = DistributedType.FSDP
+    stale = overrides.get("stale", "0") == "1"
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     rank, world = accelerator.process_index, accelerator.num_processes
     args = mod.Args(
         group_size=4, micro_batch_size=micro, max_grad_norm=1e9, num_mini_batches=1, ppo_epochs=1, max_new_tokens=6
     )
     for k, v in overrides.items():
-        setattr(args, k, type(getattr(args, k))(v))
+        if k != "stale":
+            setattr(args, k, type(getattr(args, k))(v))
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -101,7 +90,7 @@ def main() -> None:
         sampler_logps[[2, 9]] = float("nan")
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # as the scripts set it
+    if deepspeed:  # as the scripts set it
         accelerator.state.deepspeed_plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=micro,
             train_batch_size=micro * world,
@@ -147,13 +136,41 @@ def main() -> None:
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
-        tag = ("_zero3" if deepspeed else "") + ("_fsdp2" if fsdp2 else "")
-        tag += "".join(f"_{k}{v}" for k, v in overrides.items())
-        tag += "_stale" if stale else ""
         torch.save(
             {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
-            os.path.join(out_dir, f"grad_{script}_{world}_{micro}{tag}.pt"),
+            os.path.join(out_dir, job_file(script, world, micro, overrides, deepspeed, fsdp2)),
         )
+    accelerator.free_memory()  # the next job prepares its own model, optimizer and scheduler
+
+
+def main() -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    from common.run import close_run
+
+    out_dir, model_dir, jobs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    fsdp2 = jobs[0] == "fsdp2=1"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"  # built as the scripts build it
+    accelerator = Accelerator(
+        cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None
+    )
+    if fsdp2:  # accelerate turns FSDP on for accelerator processes only (common/run.py refuses a CPU launch)
+        from accelerate import FullyShardedDataParallelPlugin, PartialState
+
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["Qwen2DecoderLayer"],
+            state_dict_type="FULL_STATE_DICT",
+            reshard_after_forward=True,
+        )
+        # AcceleratorState copies PartialState's fields whenever it is built again (accelerate does, inside prepare)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+    for job in jobs[fsdp2:]:
+        script, micro, *pairs = job.split(",")
+        run_job(accelerator, out_dir, model_dir, script, int(micro), dict(p.split("=", 1) for p in pairs), fsdp2)
     close_run(accelerator, None)
 
 

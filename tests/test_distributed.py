@@ -17,13 +17,16 @@ import pytest
 import torch
 
 from tests.checks import launch_cmd
+from tests.dist_worker import job_file
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 
 
-def run_worker(script, out_dir, model, micro, procs, zero3=False, fsdp2=False, **overrides):
+def run_worker(out_dir, model, procs, jobs, zero3=False, fsdp2=False):
+    """One launch of tests/dist_worker.py on `procs` processes for `jobs`, [(script, micro-batch size, overrides)]:
+    the finished process (its gradients are in `out_dir`, read by `load_grad`)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     if zero3:  # accelerate's DeepSpeed launcher, as a user runs configs/zero3.yaml, on CPU
         ds = os.path.join(out_dir, "ds.json")  # persistence threshold 0: every parameter really is partitioned
@@ -49,12 +52,18 @@ def run_worker(script, out_dir, model, micro, procs, zero3=False, fsdp2=False, *
         cmd = [sys.executable, WORKER]
     else:
         cmd = launch_cmd(WORKER, procs)
-    extra = [f"{k}={v}" for k, v in overrides.items()] + ["fsdp2=1"] * fsdp2
-    subprocess.run(cmd + [script, str(out_dir), model, str(micro), *extra], check=True, cwd=ROOT, env=env, timeout=300)
-    tag = ("_zero3" if zero3 else "") + ("_fsdp2" if fsdp2 else "")
-    tag += "".join(f"_{k}{v}" for k, v in overrides.items() if k != "stale")
-    tag += "_stale" if overrides.get("stale") == 1 else ""
-    return torch.load(os.path.join(out_dir, f"grad_{script}_{procs}_{micro}{tag}.pt"))
+    cmd += [str(out_dir), model] + ["fsdp2=1"] * fsdp2
+    cmd += [",".join([s, str(micro), *(f"{k}={v}" for k, v in kw.items())]) for s, micro, kw in jobs]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def load_grad(out_dir, script, procs, micro, kw, zero3=False, fsdp2=False, launch=None):
+    """The gradient a job saved, or a failure that shows the launch's output (`launch`) when it saved none."""
+    path = os.path.join(out_dir, job_file(script, procs, micro, {k: str(v) for k, v in kw.items()}, zero3, fsdp2))
+    if not os.path.exists(path):
+        output = (launch.stdout[-3000:] + launch.stderr[-5000:]) if launch is not None else ""
+        pytest.fail(f"no gradient for {script} micro={micro} {kw} on {procs} processes:\n{output}")
+    return torch.load(path)
 
 
 # Per-script settings of the worker: the losses that select tokens over the whole mini-batch (over all ranks) get an
@@ -80,26 +89,56 @@ FSDP2_CASES = [(s, kw) for s, kw in CASES if s in ("grpo", "lite_ppo", "daro")]
 FSDP2_CASES += [(s, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]
 
 
+SAME_GRADIENT = "test_same_gradient_for_one_or_many_micro_batches_and_ranks"
+
+
+@pytest.fixture(scope="module")
+def gradients(request, toy_assets, tmp_path_factory):
+    """The gradients of the cases of the test below that this session runs, and grpo's on 1 process, in three
+    launches of the worker (1 process, 2, 2 with FSDP2) instead of ~4 per case: process and process-group starts
+    are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient file's contents."""
+    cases = [it.callspec.params for it in request.session.items if getattr(it, "originalname", "") == SAME_GRADIENT]
+    cases = [(c["script"], c["kw"]) for c in cases]
+    plan = {"1": [("grpo", 16, {})], "2": [], "FSDP2": []}
+    for script, kw in cases:
+        plan["1"].append((script, 16, kw))
+        plan["2"].append((script, 3, kw))  # the default token budget, <= 3 rows each
+        if script in ALL_SPLITS:  # rows in order (--micro-batch-tokens 0); packed by a small token budget on 2 ranks
+            plan["1"].append((script, 3, {**kw, "micro_batch_tokens": 0}))
+            plan["2"].append((script, 16, {**kw, "micro_batch_tokens": 20}))
+        if (script, kw) in FSDP2_CASES:
+            plan["FSDP2"].append((script, 3, kw))
+    out, launches = tmp_path_factory.mktemp("gradients"), {}
+    for key, jobs in plan.items():
+        jobs = [job for i, job in enumerate(jobs) if job not in jobs[:i]]
+        if jobs:
+            launches[key] = run_worker(out, toy_assets["model"], 1 if key == "1" else 2, jobs, fsdp2=key == "FSDP2")
+
+    def load(key, script, micro, kw):
+        procs = 1 if key == "1" else 2
+        return load_grad(out, script, procs, micro, kw, fsdp2=key == "FSDP2", launch=launches.get(key))
+
+    return load
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,kw", CASES, ids=[s + "".join(f"-{v}" for v in kw.values()) for s, kw in CASES])
-def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, toy_assets, tmp_path):
+def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, gradients):
     """And for FSDP2_CASES, FSDP2 (accelerate's `fully_shard` of each decoder layer and of the policy, as
     configs/fsdp2.yaml) on 2 CPU processes in micro-batches: the same update, the weight push gathers full tensors,
     and HF generate samples from the sharded policy with ranks of different lengths (tests/dist_worker.py). accelerate
     turns FSDP on for accelerator processes only, so the worker sets that state itself on CPU ones."""
-    whole = run_worker(script, tmp_path, toy_assets["model"], 16, 1, **kw)
-    dist = run_worker(script, tmp_path, toy_assets["model"], 3, 2, **kw)  # the default token budget, <= 3 rows each
+    whole = gradients("1", script, 16, kw)
+    dist = gradients("2", script, 3, kw)  # the default token budget, <= 3 rows each
     assert whole["world_size"] == 1 and dist["world_size"] == 2
     others = {"2 ranks in micro-batches": dist}
     if script in ALL_SPLITS:
         # rows in order (--micro-batch-tokens 0), and micro-batches packed by a small token budget on 2 ranks
-        others["micro-batches"] = run_worker(script, tmp_path, toy_assets["model"], 3, 1, micro_batch_tokens=0, **kw)
-        others["2 ranks, token budget"] = run_worker(
-            script, tmp_path, toy_assets["model"], 16, 2, micro_batch_tokens=20, **kw
-        )
+        others["micro-batches"] = gradients("1", script, 3, {**kw, "micro_batch_tokens": 0})
+        others["2 ranks, token budget"] = gradients("2", script, 16, {**kw, "micro_batch_tokens": 20})
         assert others["2 ranks, token budget"]["world_size"] == 2
     if (script, kw) in FSDP2_CASES:
-        others["FSDP2"] = run_worker(script, tmp_path, toy_assets["model"], 3, 2, fsdp2=True, **kw)
+        others["FSDP2"] = gradients("FSDP2", script, 3, kw)
         assert others["FSDP2"]["type"] == "DistributedType.FSDP"
     norm = sum(g.norm() ** 2 for g in whole["grad"].values()) ** 0.5
     assert norm > 1e-6  # the rollout really produces a gradient
@@ -134,12 +173,13 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("micro", [16, 3])
-def test_zero3_gives_the_same_update(micro, toy_assets, tmp_path):
+def test_zero3_gives_the_same_update(micro, gradients, toy_assets, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU processes (every parameter partitioned, the tied output weight used outside its
     module, k micro-batches per optimizer step) gives the update of 1 process without DeepSpeed."""
     pytest.importorskip("deepspeed")
-    whole = run_worker("grpo", tmp_path, toy_assets["model"], 16, 1)
-    zero3 = run_worker("grpo", tmp_path, toy_assets["model"], micro, 2, zero3=True)
+    whole = gradients("1", "grpo", 16, {})
+    launch = run_worker(tmp_path, toy_assets["model"], 2, [("grpo", micro, {})], zero3=True)
+    zero3 = load_grad(tmp_path, "grpo", 2, micro, {}, zero3=True, launch=launch)
     assert zero3["world_size"] == 2 and zero3["type"] == "DistributedType.DEEPSPEED"
     # DeepSpeed trains the fp64 toy model in fp32. Each gradient entry is ~10 sums deep (2 layers' matmuls, norms,
     # attention) of K <= 128 terms; the probabilistic bound sqrt(K) u32 per sum (Higham & Mary, SIAM J. Sci.
