@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import os
 import socket
+import subprocess
 import sys
 import types
 
@@ -24,6 +27,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def selected_params(request, test_name: str) -> list[dict]:
+    """The parameters of the cases of `test_name` this session runs (after -k and the like), for a fixture that
+    prepares all of them at once."""
+    items = request.session.items
+    return [it.callspec.params for it in items if getattr(it, "originalname", "") == test_name]
+
+
+def run_scripts(runs: list[tuple[str, list[str]]], work_dir: str, env: dict, timeout: int = 1800):
+    """Runs [(script, flags)] one after another in one process (tests/script_runner.py): the finished process and
+    each run's outcome, None when it ended normally, else its traceback (or a note that the process died first)."""
+    spec = os.path.join(work_dir, "runs.json")
+    with open(spec, "w") as f:
+        json.dump(runs, f)
+    runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "script_runner.py")
+    root = os.path.dirname(os.path.dirname(runner))
+    proc = subprocess.run(
+        [sys.executable, runner, spec], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    outcomes = []
+    if os.path.exists(spec + ".out"):
+        with open(spec + ".out") as f:
+            outcomes = json.load(f)
+    died = f"the runner ended (exit {proc.returncode}) before this run ended:\n{proc.stderr[-4000:]}"
+    return proc, outcomes + [died] * (len(runs) - len(outcomes))
 
 
 def launch_cmd(target: str, procs: int = 2, zero3: bool = False, deepspeed_config: str | None = None) -> list[str]:
