@@ -29,11 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def selected_params(request, test_name: str) -> list[dict]:
-    """The parameters of the cases of `test_name` this session runs (after -k and the like), for a fixture that
+def selected_cases(request, test_name: str) -> dict[str, dict]:
+    """The cases of `test_name` this session runs (after -k and the like), {id: parameters}, for a fixture that
     prepares all of them at once."""
-    items = request.session.items
-    return [it.callspec.params for it in items if getattr(it, "originalname", "") == test_name]
+    items = [it for it in request.session.items if getattr(it, "originalname", "") == test_name]
+    return {it.callspec.id: it.callspec.params for it in items}
 
 
 def run_scripts(runs: list[tuple[str, list[str]]], work_dir: str, env: dict, timeout: int = 1800):
@@ -53,6 +53,33 @@ def run_scripts(runs: list[tuple[str, list[str]]], work_dir: str, env: dict, tim
             outcomes = json.load(f)
     died = f"the runner ended (exit {proc.returncode}) before this run ended:\n{proc.stderr[-4000:]}"
     return proc, outcomes + [died] * (len(runs) - len(outcomes))
+
+
+def run_selected_cases(request, test_name: str, make_run, work_dir: str, env: dict, timeout: int = 1800):
+    """The cases of `test_name` this session runs, as script runs one after another in one process (`run_scripts`:
+    the imports and the interpreter's exit once, not per case): make_run(parameters, out_dir) gives a case's
+    (script, flags), or None to leave it out. Returns the runner's process and {case id: (out_dir, outcome)}; a test
+    reads its own with `case_run`."""
+    runs, dirs = [], {}
+    for case, params in selected_cases(request, test_name).items():
+        out = os.path.join(work_dir, case)
+        run = make_run(params, out)
+        if run is not None:
+            runs.append(run)
+            dirs[case] = out
+    proc, outcomes = run_scripts(runs, work_dir, env, timeout)
+    return proc, {case: (out, outcome) for (case, out), outcome in zip(dirs.items(), outcomes)}
+
+
+def case_run(request, runs) -> str:
+    """This case's output directory from `run_selected_cases`' result, after checking its run ended normally and,
+    when every run did, that the runner's output holds no traceback (an engine's shutdown, say)."""
+    proc, cases = runs
+    out, outcome = cases[request.node.callspec.id]
+    assert outcome is None, outcome
+    if all(o is None for _, o in cases.values()):  # else the failed run's traceback is there
+        assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return out
 
 
 def launch_cmd(target: str, procs: int = 2, zero3: bool = False, deepspeed_config: str | None = None) -> list[str]:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import launch_cmd, selected_params
+from tests.checks import launch_cmd, selected_cases
 from tests.dist_worker import job_file
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
@@ -97,7 +97,7 @@ def gradients(request, toy_assets, tmp_path_factory):
     """The gradients of the cases of the test below that this session runs, and grpo's on 1 process, in three
     launches of the worker (1 process, 2, 2 with FSDP2) instead of ~4 per case: process and process-group starts
     are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient file's contents."""
-    cases = [(c["script"], c["kw"]) for c in selected_params(request, SAME_GRADIENT)]
+    cases = [(c["script"], c["kw"]) for c in selected_cases(request, SAME_GRADIENT).values()]
     plan = {"1": [("grpo", 16, {})], "2": [], "FSDP2": []}
     for script, kw in cases:
         plan["1"].append((script, 16, kw))

@@ -18,7 +18,7 @@ import torch
 
 from common.data import chat_template_note, encode_prompt, load_data
 from common.logprobs import TokenLogProbs
-from tests.checks import run_scripts, selected_params
+from tests.checks import case_run, run_selected_cases
 from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
 from tests.toy import build_gemma3
 
@@ -153,37 +153,32 @@ GEMMA_TEST = "test_every_script_trains_a_gemma3_base_model"
 
 @pytest.fixture(scope="module")
 def gemma_runs(request, gemma, toy_assets, tmp_path_factory):
-    """The cases of the test below that this session runs, one after another in one process
-    (tests/script_runner.py: the imports and the exit once, not per script): the runner's finished process, and
-    for each case its output directory and outcome (None: the run ended normally)."""
+    """The cases of the test below that this session runs, in one process (tests.checks.run_selected_cases)."""
     have_vllm = importlib.util.find_spec("vllm") is not None
-    cases = [(c["script"], c["sampler"]) for c in selected_params(request, GEMMA_TEST)]
-    cases = [(script, sampler) for script, sampler in cases if sampler == "hf" or have_vllm]
-    root, runs = tmp_path_factory.mktemp("gemma"), []
-    for script, sampler in cases:
+
+    def make_run(case, out):
+        script, sampler = case["script"], case["sampler"]
+        if sampler == "vllm" and not have_vllm:
+            return None
         extra = {**LEARN_FLAGS[script], "model-name-or-path": gemma, "sampler": sampler, "max-new-tokens": 8}
         extra.update({"vllm-gpu-memory-utilization": 0.02, "learning-rate": 1e-3, "prompts-per-step": 8})
         extra["top-p"] = 1.0  # lite_ppo's 0.99 renormalises the sampled log-probs over the nucleus: no canary
         extra.update({"max-gen-batches": 1} if script in ("dapo", "cispo") else {})
-        runs.append((script, toy_flags(toy_assets, str(root / f"{script}-{sampler}"), 2, **extra)))
-    proc, outcomes = run_scripts(runs, str(root), env())
-    return proc, {case: (str(root / f"{case[0]}-{case[1]}"), o) for case, o in zip(cases, outcomes)}
+        return script, toy_flags(toy_assets, out, 2, **extra)
+
+    return run_selected_cases(request, GEMMA_TEST, make_run, str(tmp_path_factory.mktemp("gemma")), env())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,sampler", GEMMA_CASES)
-def test_every_script_trains_a_gemma3_base_model(script, sampler, gemma_runs):
+def test_every_script_trains_a_gemma3_base_model(script, sampler, gemma_runs, request):
     """Two steps on the toy task with the raw-text template: the prompts start with the tokenizer's BOS (the ids
     vLLM samples from are the trainer's: the canary would show any other), every step's canary is below 1e-4 (HF
     generate's processed log-probs too: the trainer applies the model's soft cap), the rollout correction's weights
     are 1 on vLLM, and the runs end without a traceback."""
     if sampler == "vllm":
         pytest.importorskip("vllm")
-    proc, runs = gemma_runs
-    out_dir, outcome = runs[(script, sampler)]
-    assert outcome is None, outcome
-    if all(o is None for _, o in runs.values()):  # else the failed run's traceback is in the runner's output
-        assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    out_dir = case_run(request, gemma_runs)
     (run_dir,) = glob.glob(os.path.join(out_dir, f"{script}__*"))
     rows = read_metrics(run_dir)
     diffs = [r["train/logprob_diff_max"] for r in rows if "train/logprob_diff_max" in r]

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.checks import case_run, run_selected_cases
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     s
@@ -91,18 +93,30 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def runs_in_one_process(request, test_name, make_run, tmp_path_factory):
+    """The cases of `test_name` this session runs, in one process (tests.checks.run_selected_cases)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    work_dir = str(tmp_path_factory.mktemp(test_name[5:25]))
+    return run_selected_cases(request, test_name, make_run, work_dir, env, timeout=7200)  # a hang guard
+
+
+@pytest.fixture(scope="module")
+def end_to_end_runs(request, toy_assets, tmp_path_factory):
+    flags = {"save-every": 2, "exp-name": "e2e", "seed": 7, "eval-every": 1, "eval-limit": 4, "eval-max-new-tokens": 2}
+    flags.update({"eval-datasets": toy_assets["test"], "eval-prompt-column": "question"})
+    flags.update({"eval-answer-column": "answer", "eval-samples": 1})
+    make_run = lambda case, out: (case["script"], toy_flags(toy_assets, out, 3, **flags))
+    return runs_in_one_process(request, "test_end_to_end_run_directory", make_run, tmp_path_factory)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_end_to_end_run_directory(script, toy_assets, tmp_path):
+def test_end_to_end_run_directory(script, end_to_end_runs, request):
     """Three steps with a checkpoint at 2 and an evaluation at every step: the run directory holds what
     docs/metrics.md and README describe, and every metric key logged is documented in docs/metrics.md."""
     from tests.test_docs import undocumented_metric_keys
 
-    flags = {"save-every": 2, "exp-name": "e2e", "seed": 7, "eval-every": 1, "eval-limit": 4, "eval-max-new-tokens": 2}
-    flags.update({"eval-datasets": toy_assets["test"], "eval-prompt-column": "question"})
-    flags.update({"eval-answer-column": "answer", "eval-samples": 1})
-    run_script(script, toy_flags(toy_assets, str(tmp_path), 3, **flags))
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "e2e__7__*"))
+    (run_dir,) = glob.glob(os.path.join(case_run(request, end_to_end_runs), "e2e__7__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert REQUIRED_KEYS <= set(rows[0]) and "eval/test/avg@1" in rows[0]
@@ -120,11 +134,8 @@ def test_end_to_end_run_directory(script, toy_assets, tmp_path):
     AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_3", "model"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_evaluation_only_run_reads_no_training_data(script, toy_assets, tmp_path):
-    """--total-steps 0 --eval-every 1 evaluates the model (e.g. a checkpoint's model/ directory) and never opens
-    --dataset-name (here a path that does not exist)."""
+@pytest.fixture(scope="module")
+def evaluation_only_runs(request, toy_assets, tmp_path_factory):
     extra = {
         "total-steps": 0,
         "eval-every": 1,
@@ -135,10 +146,20 @@ def test_evaluation_only_run_reads_no_training_data(script, toy_assets, tmp_path
         "eval-samples": 2,
         "eval-max-new-tokens": 2,
         "exp-name": "eval",
-        "dataset-name": str(tmp_path / "no_such_train.jsonl"),
     }
-    run_script(script, toy_flags(toy_assets, str(tmp_path), **extra))
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "eval__*"))
+    make_run = lambda case, out: (
+        case["script"],
+        toy_flags(toy_assets, out, **extra, **{"dataset-name": os.path.join(out, "no_such_train.jsonl")}),
+    )
+    return runs_in_one_process(request, "test_evaluation_only_run_reads_no_training_data", make_run, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_evaluation_only_run_reads_no_training_data(script, evaluation_only_runs, request):
+    """--total-steps 0 --eval-every 1 evaluates the model (e.g. a checkpoint's model/ directory) and never opens
+    --dataset-name (here a path that does not exist)."""
+    (run_dir,) = glob.glob(os.path.join(case_run(request, evaluation_only_runs), "eval__*"))
     (row,) = read_metrics(run_dir)
     assert row["step"] == 0 and {"eval/test/avg@2", "eval/test/pass@2", "eval/test/maj@2"} <= set(row)
 
@@ -195,9 +216,8 @@ def test_resume_continues_where_it_stopped(toy_assets, tmp_path):
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
+@pytest.fixture(scope="module")
+def learning_runs(request, toy_assets, tmp_path_factory):
     flags = {
         "exp-name": "learn",
         "max-new-tokens": 2,
@@ -206,11 +226,19 @@ def test_accuracy_rises_on_the_toy_task(script, toy_assets, tmp_path):
         "total-steps": 150,
         "micro-batch-size": 128,
         "log-samples-every": 0,
-        **LEARN_FLAGS[script],
     }
-    run_script(script, toy_flags(toy_assets, str(tmp_path), **flags), timeout=3600)  # a hang guard, not a speed
-    # test: 30-160 s per script on 2 idle cores, 10x that on a shared, loaded machine (measured: gspo 556 s)
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "learn__*"))
+    make_run = lambda case, out: (
+        case["script"],
+        toy_flags(toy_assets, out, **{**flags, **LEARN_FLAGS[case["script"]]}),
+    )
+    # 5-30 s per script on 2 idle cores, 10x that on a shared, loaded machine (the runner's timeout: a hang guard)
+    return runs_in_one_process(request, "test_accuracy_rises_on_the_toy_task", make_run, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
+    (run_dir,) = glob.glob(os.path.join(case_run(request, learning_runs), "learn__*"))
     acc = [r["train/accuracy"] for r in read_metrics(run_dir)]
     # Learning = the policy of the second half of training (steps 75-149, 9600 samples) answers far more often
     # than the nearly untrained one of steps 0-9 (1280 samples). Means over long windows, not one trajectory's
