@@ -1,5 +1,6 @@
-"""Shared test harness: properties every script's `compute_policy_loss` must have, checked the same way, and
-stand-ins for running a script's `update_policy` in one process."""
+"""Shared test harness: properties every script's `compute_policy_loss` must have, checked the same way,
+stand-ins for running a script's `update_policy` in one process, and the ways tests start scripts: launchers for
+several processes, and several runs in one process for the tests that need a run, not a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -61,14 +61,16 @@ def plot(runs: list[str], keys: list[str], out: str, window: int = 1, title: str
         groups[label(r)[0]].append(read_run(r))
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for exp, members in sorted(groups.items()):
+        for i, (exp, members) in enumerate(sorted(groups.items())):
             curves = [dict(m[key]) for m in members if key in m]
             if not curves:
                 continue
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             per_seed = [smooth([c[s] for s in steps], window) for c in curves]
             mean = [sum(v) / len(v) for v in zip(*per_seed)]
-            (line,) = ax.plot(steps, mean, label=exp if len(curves) == 1 else f"{exp} ({len(curves)} seeds)")
+            name = exp if len(curves) == 1 else f"{exp} ({len(curves)} seeds)"
+            style = ("-", "--", ":")[i // 10 % 3]  # the colour cycle holds 10: the next ten are dashed
+            (line,) = ax.plot(steps, mean, label=name, color=f"C{i % 10}", linestyle=style)
             if len(curves) > 1:
                 ax.fill_between(
                     steps,
@@ -80,7 +82,7 @@ def plot(runs: list[str], keys: list[str], out: str, window: int = 1, title: str
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7, ncol=1 if len(groups) <= 6 else 2)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
