@@ -4,6 +4,7 @@ shapes, sharded and wrapped models), backend selection, and (GPU + vLLM only) th
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -351,7 +352,11 @@ def _sharded_worker(rank: int, world: int, port: int, model_dir: str) -> None:
         # gathered storage: this only works because those tensors are copies
         _assert_matches_checkpoint(_flatten(iter_weight_buckets(model, 20_000)), ckpt)
     finally:
+        # as common/run.py:close_run: FSDP holds the group in reference cycles; freed at the interpreter's exit, a
+        # gloo thread can abort the process ("terminate called without an active exception", seen once in a suite)
+        model = None
         dist.destroy_process_group()
+        gc.collect()
 
 
 def test_buckets_gather_sharded_models(toy_assets):

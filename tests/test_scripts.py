@@ -250,8 +250,26 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # Without learning (--learning-rate 0, grpo and clip_cov, seeds 1-2) the rise is -0.004 to 0.003, and a
     # broken update drives the accuracy to 0 (grpo with the advantage's sign flipped: 0.009 -> 0.001). A rise of
     # 0.05 sits 0.08 below the lowest learning run and over ten times the no-learning runs' largest |rise|.
-    untrained, trained = sum(acc[:10]) / 10, sum(acc[75:]) / len(acc[75:])
-    assert len(acc) == 150 and trained > untrained + 0.05, (untrained, trained)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from learning_rise import rise  # the same measure for runs outside the suite
+
+    untrained, trained, gain = rise(acc)
+    assert len(acc) == 150 and gain > 0.05, (untrained, trained)
+
+
+def test_learning_rise_prints_each_run_and_the_range(tmp_path):
+    """tools/learning_rise.py, which measured the runs above: the first 10 steps against the second half."""
+    for name, accuracy in (("a__1__1", [0.0] * 10 + [0.2] * 10), ("b__2__1", [0.1] * 4 + [0.3] * 4)):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps({"step": i, "train/accuracy": a}) + "\n" for i, a in enumerate(accuracy))
+    tool = os.path.join(ROOT, "tools", "learning_rise.py")
+    runs = sorted(map(str, tmp_path.iterdir()))
+    out = subprocess.run([sys.executable, tool, *runs], capture_output=True, text=True, timeout=60)
+    # a: 0.0 -> 0.2 (steps 10-19); b: the first 10 steps are all 8 (0.2), the second half 0.3
+    assert out.stdout.splitlines()[0].split()[1:] == ["0.000", "->", "0.200", "rise", "+0.200"], out.stdout
+    assert out.stdout.splitlines()[1].split()[1:] == ["0.200", "->", "0.300", "rise", "+0.100"], out.stdout
+    assert out.stdout.splitlines()[-1] == "2 runs: rise +0.100 to +0.200"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -146,7 +146,10 @@ def test_one_step_off_policy_trains_the_toy_task(server, vllm_assets, tmp_path):
     bad = [r for r in trained if "train/rollout_corr_weight_mean" not in r or not r["train/sampler_kl"] >= 0]
     assert not bad, [(r["step"], r.get("train/rollout_corr_weight_mean"), r.get("train/sampler_kl")) for r in bad]
     acc = [r["train/accuracy"] for r in rows]
-    assert sum(acc[75:]) / 75 > sum(acc[:10]) / 10 + 0.05, acc  # measured: 0.017 -> 0.244
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from learning_rise import rise  # the toy learning test's measure and threshold (docs/tests.md)
+
+    assert rise(acc)[2] > 0.05, acc  # measured: 0.017 -> 0.244
 
 
 @pytest.mark.slow
