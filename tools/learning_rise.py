@@ -2,7 +2,7 @@
 answers correctly than the nearly untrained one of the first 10 steps (tests/test_scripts.py asks for 0.05).
 
     for s in 1 2 3 4; do PLOT=/tmp/toy_s$s.png bash tools/sweep_toy.sh /tmp/learn/s$s --seed $s; done
-    python tools/learning_rise.py /tmp/learn/*/*
+    python tools/learning_rise.py /tmp/learn/s*/*
 
 One line per run (its directory name, the two means of train/accuracy and the rise), then the lowest and highest
 rise. Runs of other lengths are measured the same way: the first 10 steps, and the steps from half of the run on.
