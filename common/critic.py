@@ -1,0 +1,189 @@
+"""A learned value model (critic) for the scripts that train one (ppo.py, vapo.py): a causal LM's decoder with a
+scalar head, its optimizer and scheduler prepared by accelerate like the policy, its values of a rollout, and its
+backward and gradient norm where accelerate's own calls only know the policy.
+
+Nothing here is specific to one algorithm: GAE, the value loss and every paper choice stay in the scripts.
+
+    critic, optimizer, scheduler = load_critic(args, accelerator, path, lr, warmup_steps, weight_decay, max_norm)
+    values = compute_values(critic, batch, plan)           # [N, C], V(s_t) before each completion token
+    critic_backward(accelerator, critic, loss, sync)       # in the micro-batch loop
+    norm = critic_grad_norm(accelerator, critic, max_norm)  # once per optimizer step
+
+The critic is saved and resumed with the run: accelerate's save_state / load_state hold every prepared model,
+optimizer and scheduler in the order they were prepared (the policy's first, then the critic's), so a script that
+prepares the critic right after the policy, in every run, resumes it exactly. No function here reads a tensor
+value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class TokenValues(nn.Module):
+    """A causal LM's decoder and a bias-free linear head to one scalar: the value of the state before each
+    completion token, V(s_t) for the token chosen at s_t, read from the hidden state of the position before it, the
+    alignment of the log-probs (`TokenLogProbs`) and of verl's critic (values[:, -response_length - 1 : -1]).
+
+    The head starts at zero (`V = 0` everywhere): deterministic on every rank, and no random value bias that GAE
+    would accumulate (VC-PPO's "value initialisation bias"); its gradient is the hidden state, so it moves at the first
+    step and the decoder follows (OpenRLHF and Open-Reasoner-Zero draw it from N(0, 1 / (H + 1)) instead, verl from
+    the model's initializer_range). The head is computed in the head's dtype with autocast off, so that values keep
+    fp32 precision under bf16 autocast. Wrapped as a module (like TokenLogProbs) so DDP, FSDP2 and ZeRO-3 hooks
+    see every parameter it uses."""
+
+    def __init__(self, decoder: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = decoder
+        dtype = next(decoder.parameters()).dtype
+        self.value_head = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+        nn.init.zeros_(self.value_head.weight)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, completion_start: int) -> Tensor:
+        """input_ids / attention_mask: [B, L], prompts left-padded to `completion_start` columns, then right-padded
+        completions. Returns [B, L - completion_start] values (fp32, fp64 for an fp64 model): entry t is the value of
+        the state that token `completion_start + t` was sampled in."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        hidden = hidden[:, completion_start - 1 : -1]
+        with torch.autocast(hidden.device.type, enabled=False):
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return values.to(torch.promote_types(values.dtype, torch.float32))
+
+
+def build_critic(path: str, args) -> TokenValues:
+    """The critic of the checkpoint at `path` (a causal LM: its decoder; the output layer is dropped), fp32 like the
+    policy. With --lora-rank the decoder gets adapters of its own (common.run.add_lora: same rank, alpha, targets)
+    and only those and the head train: LoRA is there to save memory, which a fully trained critic would spend again.
+    --gradient-checkpointing applies to it too."""
+    from transformers import AutoModelForCausalLM
+
+    from common.run import add_lora
+
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"--critic-model-name-or-path: cannot load {path!r}: {type(e).__name__}: {first}") from None
+    lm.config.use_cache = False
+    if args.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_rank > 0:
+        lm = add_lora(lm, args)
+    config = getattr(lm.config, "text_config", None) or lm.config
+    return TokenValues(lm.get_decoder(), config.hidden_size)
+
+
+def load_critic(args, accelerator, path: str, lr: float, warmup_steps: int, weight_decay: float, max_norm: float):
+    """The critic (`build_critic`), AdamW at `lr` with `weight_decay` over its trainable parameters and a linear
+    warm-up of `warmup_steps` optimizer steps then constant (the policy's schedule, common.run.prepare_training), all
+    prepared by accelerate after the policy: DDP, FSDP2 or DeepSpeed as launched. DeepSpeed clips each engine with
+    its config's gradient_clipping, read when the engine is built: `max_norm` is set for the critic's."""
+    from accelerate.utils import DistributedType
+
+    critic = build_critic(path, args)
+    trainable = [p for p in critic.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(gradient_clipping=max_norm)
+    return accelerator.prepare(critic, optimizer, scheduler)
+
+
+def check_critic_path(path: str, vocab: int) -> None:
+    """Refuses a critic checkpoint that is not there or cannot read the policy's tokens, before anything is
+    written: its embedding must have a row for each of the tokenizer's `vocab` ids."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"--critic-model-name-or-path: cannot load {path!r}: {type(e).__name__}: {first}") from None
+    size = getattr(getattr(config, "text_config", None) or config, "vocab_size", None)
+    if size is not None and size < vocab:
+        raise SystemExit(
+            f"--critic-model-name-or-path: {path!r} has {size} token embeddings, the policy's tokenizer {vocab} "
+            "ids: the critic must read the policy's tokens"
+        )
+
+
+def compute_values(critic, batch: dict, plan: list[tuple[list[int], int, int]]) -> Tensor:
+    """V(s_t) [N, C] of a whole rollout `batch` under `critic`, without gradient, one micro-batch of `plan`
+    (common.batching.micro_batches) at a time (zeros past each micro-batch's width): once per rollout, like the old
+    log-probs, so every update of the step clips against the same values."""
+    from common.batching import micro_batch
+
+    values = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
+    for rows, p_w, c_w in plan:
+        mb = micro_batch(batch, rows, p_w, c_w)
+        values[mb["rows"], :c_w] = critic(mb["ids"], mb["attn"], p_w).to(values.dtype)
+    return values
+
+
+def _deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+
+
+def critic_backward(accelerator, critic, loss: Tensor, sync: bool) -> None:
+    """`accelerator.backward(loss)` for the critic. Under DeepSpeed accelerate sends every backward to the first
+    engine it prepared (the policy's), so the critic's engine runs its own: backward with the accumulation boundary
+    at `sync` (the mini-batch's last micro-batch), then its step (clip, optimizer, zero_grad), as accelerate's
+    DeepSpeedEngineWrapper does for the policy."""
+    if _deepspeed(accelerator):
+        critic.set_gradient_accumulation_boundary(is_boundary=sync)
+        critic.backward(loss)
+        if sync:
+            critic.step()
+    else:
+        accelerator.backward(loss)
+
+
+def critic_grad_norm(accelerator, critic, max_norm: float) -> Tensor | float | None:
+    """The critic's gradient norm before clipping, and clipped to `max_norm` (accelerate's clip_grad_norm_ finds
+    the critic's FSDP2 module by its parameters); under DeepSpeed the critic engine's own norm, clipped by its step."""
+    if _deepspeed(accelerator):
+        return critic.get_global_grad_norm()
+    return accelerator.clip_grad_norm_(critic.parameters(), max_norm)
+
+
+# token-position buckets of the advantage statistics: [0, 16), [16, 64), [64, 256), [256, 1024), [1024, 4096), 4096+
+POSITION_BUCKETS = (0, 16, 64, 256, 1024, 4096)
+
+
+def value_metrics(values: Tensor, returns: Tensor, advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """What a researcher watches in a critic, over every rank's completion tokens (one all-reduce): the explained
+    variance 1 - Var(R - V) / (Var(R) + 1e-5) of the rollout's values V against their targets R (1: V predicts R,
+    0: no better than their mean, < 0: worse), the token means of V and R, and the mean and std of the advantages
+    the policy trains on, per bucket of token positions (POSITION_BUCKETS; NaN where no rank has a token there).
+    [N, C] inputs; 0-d tensors out, equal on every rank (step_metrics logs them as train/<key>)."""
+    from common.batching import global_sum
+
+    m = mask.to(torch.float64)
+    v, r, a = values.double() * m, returns.double() * m, advantages.double() * m
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    edges = [*POSITION_BUCKETS, float("inf")]
+    buckets = [((pos >= lo) & (pos < hi)).to(m.dtype) for lo, hi in zip(edges, edges[1:])]
+    sums = [m.sum(), v.sum(), r.sum(), (r * r).sum(), (r - v).sum(), ((r - v) ** 2).sum()]
+    for b in buckets:
+        sums += [(m * b).sum(), (a * b).sum(), (a * a * b).sum()]
+    s = global_sum(torch.stack(sums))
+    n = s[0].clamp(min=1)
+    var_r = s[3] / n - (s[2] / n) ** 2
+    var_err = s[5] / n - (s[4] / n) ** 2
+    out = {
+        "explained_variance": 1 - var_err / (var_r + 1e-5),  # verl's metric_utils, its 1e-5 included
+        "value_mean": s[1] / n,
+        "return_mean": s[2] / n,
+    }
+    for i, lo in enumerate(POSITION_BUCKETS):
+        count, total, squares = s[6 + 3 * i], s[7 + 3 * i], s[8 + 3 * i]
+        mean = total / count
+        out[f"adv_mean_pos{lo}"] = mean
+        out[f"adv_std_pos{lo}"] = (squares / count - mean**2).clamp(min=0).sqrt()
+    return {k: v.float() for k, v in out.items()}

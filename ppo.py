@@ -1,0 +1,623 @@
+# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+"""PPO with a learned value model: vanilla PPO and GAE as Open-Reasoner-Zero trains it.
+
+Paper: Open-Reasoner-Zero, Hu et al. 2025, https://arxiv.org/abs/2503.24290 (§2.1.3, §3.1; code:
+Open-Reasoner-Zero/Open-Reasoner-Zero@3fdd9a0 playground/orz_7b_ppo.py, orz/ppo). What a critic
+needs in long chains of thought: VC-PPO, Yuan et al. 2025, https://arxiv.org/abs/2503.01491.
+
+What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head, from the
+policy's checkpoint or --critic-model-name-or-path; common/critic.py) replaces the group baseline.
+The outcome reward R sits on the last completion token; GAE turns the critic's values into an
+advantage per token; the critic regresses on the GAE returns with PPO's clipped value loss, with
+its own optimizer, lr and warm-up; the policy loss is PPO's clip with a token mean; no KL:
+
+    delta_t = r_t + gamma V(s_t+1) - V(s_t),   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V(s_t)
+    A whitened over the rollout's tokens (all ranks) ("batch level advantage normalization", §3.1)
+    J_policy = 1/sum_i |o_i| sum_i sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
+    L_value  = 1/2 1/sum_i |o_i| sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+
+With gamma = lam = 1 and the reward only at the end, A_t = R - V(s_t) and R_t = R: the critic learns
+a per-token Monte-Carlo baseline of the outcome.
+
+Defaults: ORZ's 7B run (§3.1 and its code). From the paper: gamma = lam = 1, eps = 0.2, no KL and
+no entropy bonus, policy lr 1e-6 and critic lr 5e-6, each constant after a linear warm-up of 50
+optimizer steps, AdamW without weight decay, 128 prompts x 64 samples at temperature 1, top-p 1,
+one policy step per rollout and 12 critic mini-batches per rollout, whitened advantages, critic and
+policy from the same base model, not sharing weights. From the code: value clip 0.2 (eq. 2 has
+none; --value-clip None), reward 1 for a correct answer that stopped, else 0 (a truncated one gets
+0), 8000 new tokens, 2048 prompt tokens, the R1-style <think>/<answer> prompt, grad clip 1.0. The
+shared flags keep grpo.py's defaults here: the paper's are listed in Args' "Paper overrides" block.
+Our choices: the critic's head starts at zero (ORZ draws it at random: common/critic.py says why);
+the token mean is over the mini-batch (ORZ averages per packed micro-batch); AdamW's betas are
+torch's (0.9, 0.999), not ORZ's (0.9, 0.95); with --lora-rank the critic gets adapters of its own.
+Not from the paper (as in every script): --rollout-correction weighs the policy term (on with vLLM).
+
+    accelerate launch ppo.py                                  # the paper setting, on GPUs
+    python ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+from common.batching import global_sum, grad_normalizers, make_batch, micro_batch, micro_batches
+from common.critic import (
+    check_critic_path,
+    compute_values,
+    critic_backward,
+    critic_grad_norm,
+    load_critic,
+    value_metrics,
+)
+from common.data import load_data
+from common.logprobs import LogprobCanary, compute_logps, rollout_correction
+from common.metrics import Timer, add_stats, evaluate, step_metrics
+from common.reward import score
+from common.run import (
+    load_model,
+    load_sampler,
+    open_run,
+    prepare_training,
+    resume,
+    save_checkpoint,
+    start,
+)
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the experiment's name (run directory: <output-dir>/<exp-name>__<seed>__<unix time>)"""
+    seed: int = 1
+    """seed of the experiment (each rank samples with seed + rank * 100003)"""
+    output_dir: str = "runs"
+    """where run directories are created"""
+    resume: str | None = None
+    """a run directory to continue from its latest checkpoint (with --total-steps 0: to evaluate)"""
+    save_every: int = 100
+    """save a checkpoint every this many steps (0: only at the end)"""
+    keep_checkpoints: int = 2
+    """how many of the latest checkpoints to keep"""
+    log_samples_every: int = 10
+    """write a few prompts, completions and rewards to samples.jsonl every this many steps"""
+    track: bool = False
+    """track the run with Weights & Biases (TensorBoard synced, the flags as config)"""
+    wandb_project_name: str = "rl-for-llm"
+    """the wandb project name"""
+    wandb_entity: str | None = None
+    """the wandb entity (team or user; None: your default)"""
+
+    # Model and data
+    model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    """Hugging Face hub id or local directory of the policy (and of the frozen reference)"""
+    dataset_name: str = "DigitalLearningGmbH/MATH-lighteval"
+    """hub id, or a local .jsonl / .json / .parquet file"""
+    dataset_config: str | None = None
+    """dataset configuration name on the hub (e.g. 'en'), if it has several"""
+    dataset_split: str = "train"
+    """dataset split"""
+    prompt_column: str = "problem"
+    """column holding the question"""
+    answer_column: str = "solution"
+    """the reference answer (bare, or a solution whose last \\boxed{} is the answer)"""
+    prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "qwen-boxed"
+    """none: the question as is; qwen-boxed: Qwen2.5-Math's \\boxed{} chat prompt; r1: R1-Zero's
+    <think>/<answer>; dapo: DAPO's 'Answer:' chat prompt (docs/flags.md)"""
+    reward_format: Literal[
+        "auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"
+    ] = "auto"
+    """where the verifier reads the final answer (none there: 0, a format error); auto: from
+    --prompt-template (docs/algorithms.md "Answer formats")"""
+    max_prompt_tokens: int = 1024
+    """prompts longer than this are dropped at load time (and counted)"""
+    max_bad_answer_frac: float = 0.1
+    """refuse a dataset with more than this fraction of unparseable answers (fewer: dropped)"""
+
+    # Sampling
+    sampler: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM with CUDA and vllm installed, else Hugging Face generate (vllm runs on CPU too)"""
+    group_size: int = 64
+    """G, completions sampled per prompt"""
+    prompts_per_step: int = 16
+    """prompts per training step, over all ranks (so group_size * prompts_per_step completions)"""
+    max_new_tokens: int = 1024
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use it too, so they match the sampler's)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory the vLLM engine may take (CPU: of the memory, for its KV cache)"""
+    vllm_tensor_parallel_size: int = 1
+    """tensor parallel size of each vLLM engine; only 1 (each rank samples its own prompts)"""
+    vllm_enable_sleep_mode: bool = False
+    """offload vLLM's weights and KV cache while training (CUDA only)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine in every training process; server: tools/vllm_server.py elsewhere"""
+    vllm_server_host: str = "127.0.0.1"
+    """--vllm-mode server: the server's address (docs/gpu.md "A vLLM server")"""
+    vllm_server_port: int = 8000
+    """--vllm-mode server: the server's port"""
+    vllm_server_timeout: float = 600.0
+    """seconds any call to the server may take (a rollout, a weight push) before the run stops"""
+    off_policy_steps: int = 0
+    """K: a step trains on rollouts generated K steps before, while the sampler works ahead"""
+
+    # Data strategies (docs/data_strategies.md): all off by default
+    prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
+    """uniform: shuffled epochs; medium: prompts whose groups likely have a signal; curriculum:
+    those, easy to hard (docs/data_strategies.md)"""
+    difficulty_file: str | None = None
+    """tools/profile_data.py output: its per-prompt pass rates seed the tracker (the prior)"""
+    gt_injection: bool = False
+    """an all-wrong group's last completion is replaced by a verified demonstration"""
+    solution_column: str | None = None
+    """dataset column of worked solutions for --gt-injection (default: the bare reference answer)"""
+    replay: bool = False
+    """a group without signal is replaced by a buffered high-value group and its stored log-probs"""
+    replay_buffer_size: int = 64
+    """high-value groups each rank keeps for --replay (oldest dropped first)"""
+    replay_max_age: int = 10
+    """--replay: buffered groups generated more than this many steps ago are dropped"""
+    gt_injection_max_frac: float = 1.0
+    """--gt-injection: at most this share of a rank's groups per step get a demonstration"""
+    tracker_half_life: float = 10.0
+    """steps after which a pass-rate observation weighs half (0: never forget)"""
+    uniform_floor: float = 0.5
+    """curriculum/medium: the share of the draw probability spread uniformly over all prompts"""
+    curriculum_min_target: float = 0.2
+    """curriculum: the target pass rate at the end of the run (it starts at 1)"""
+
+    # Optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    warmup_steps: int = 0
+    """linear learning-rate warm-up, in optimizer steps; constant afterwards"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    total_steps: int = 500
+    """training steps (one rollout each; 0: only evaluate)"""
+    num_mini_batches: int = 1
+    """optimizer steps per rollout and epoch (1: fully on-policy, DeepSeekMath's single update)"""
+    ppo_epochs: int = 1
+    """passes over each rollout"""
+    micro_batch_size: int = 256
+    """at most this many sequences per forward/backward on each rank"""
+    micro_batch_tokens: int = 8192
+    """padded tokens per forward/backward on each rank, longest sequences first; the gradient is the
+    same (0: --micro-batch-size rows; docs/benchmarks.md)"""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on CUDA, none on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    logprob_chunk_size: int = 1024
+    """tokens per chunk when turning hidden states into log-probs (bounds a tokens x vocab array)"""
+    logprob_kernel: Literal["torch", "triton"] = "torch"
+    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (GPU)"""
+    max_bad_steps: int = 5
+    """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
+    rollout_correction: Literal[
+        "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
+    ] = "auto"
+    """weight exp(old_logps - sampler_logps) on the policy term, for the sampler/trainer mismatch;
+    auto: token-truncate with vLLM, none with HF generate (docs/algorithms.md)"""
+    rollout_correction_cap: float = 2.0
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked"""
+    reward_workers: int = -1
+    """math-verify worker processes (-1: this process's cores / local ranks; 0: none)"""
+
+    # LoRA (peft; docs/lora.md): 0 is full fine-tuning
+    lora_rank: int = 0
+    """rank r of the LoRA adapters that train instead of the weights (0: full fine-tuning)"""
+    lora_alpha: float = 32.0
+    """LoRA's alpha: an adapted layer computes W x + (alpha / r) B A x"""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """the layers given adapters: module names or suffixes (all-linear: all but the output layer)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """what vLLM gets: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
+
+    # Algorithm specific arguments
+    clip_eps_low: float = 0.2
+    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    clip_eps_high: float = 0.2
+    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    truncated_reward: Literal["zero", "keep"] = "zero"
+    """zero: a completion cut off at --max-new-tokens gets reward 0 (ORZ's code); keep: the
+    verifier's score (e.g. on a toy task whose completions rarely end with EOS)"""
+    gamma: float = 1.0
+    """GAE's discount (ORZ §2.1.3: 1)"""
+    lam: float = 1.0
+    """GAE's lambda (ORZ §2.1.3: 1; 0.95 is the usual RL value, unstable in ORZ's Figure 7)"""
+    value_clip: float | None = 0.2
+    """the critic's values move at most this far from the rollout's per update (ORZ's code; None:
+    the unclipped 1/2 (V - R)^2 of ORZ eq. 2)"""
+    critic_model_name_or_path: str | None = None
+    """the critic's checkpoint, a causal LM whose decoder gets a scalar head (None: the policy's)"""
+    critic_learning_rate: float = 5e-6
+    """the critic's AdamW learning rate (ORZ §3.1: 5e-6)"""
+    critic_warmup_steps: int = 50
+    """the critic's linear learning-rate warm-up, in its optimizer steps (ORZ §3.1: 50)"""
+    critic_weight_decay: float = 0.0
+    """the critic's AdamW weight decay (ORZ §3.1: none)"""
+    critic_max_grad_norm: float = 1.0
+    """the critic's gradient clipping (ORZ's code: 1.0)"""
+    critic_num_mini_batches: int = 12
+    """the critic's optimizer steps per rollout and epoch (ORZ §3.1: 12; the policy's: 1)"""
+    # Paper overrides of the shared flags (ORZ §3.1 and playground/orz_7b_ppo.py; pass them as flags):
+    #   --model-name-or-path Qwen/Qwen2.5-7B   (§3.1; 32B too)
+    #   --group-size 64 --prompts-per-step 128   (§3.1: 128 prompts, 64 responses each)
+    #   --warmup-steps 50   (§3.1: linear warm-up of 50 optimizer steps, then constant)
+    #   --max-new-tokens 8000 --eval-max-new-tokens 8000   (code: generate_max_len 8000)
+    #   --max-prompt-tokens 2048   (code: prompt_max_len 2048)
+    #   --prompt-template r1   (code: zero_setting_base.py, R1-Zero's <think>/<answer> prompt)
+    #   --eval-datasets HuggingFaceH4/MATH-500   (§3.2: also AIME 2024/2025, GPQA Diamond)
+    #   --eval-samples 16   (§3.2: avg of 16 samples) --eval-temperature 1.0   (code: eval at T, top-p 1)
+    #   unchanged: --learning-rate 1e-6, --temperature 1.0, --top-p 1.0, --num-mini-batches 1,
+    #   --weight-decay 0.0, --max-grad-norm 1.0 (code); the data: ORZ's orz_math_57k_collected.json
+
+    # Evaluation
+    eval_every: int = 0
+    """evaluate every this many steps and at the end (0 disables evaluation)"""
+    eval_datasets: list[str] = field(default_factory=lambda: ["HuggingFaceH4/MATH-500"])
+    """hub ids (split 'test') or local files to evaluate on"""
+    eval_prompt_column: str = "problem"
+    """question column of the evaluation datasets"""
+    eval_answer_column: str = "answer"
+    """answer column of the evaluation datasets"""
+    eval_samples: int = 1
+    """k completions per evaluation question (avg@k, pass@k, maj@k)"""
+    eval_temperature: float = 0.0
+    """evaluation sampling temperature (0: greedy)"""
+    eval_top_p: float = 1.0
+    """evaluation nucleus sampling"""
+    eval_max_new_tokens: int = 1024
+    """evaluation generation budget"""
+    eval_limit: int = 0
+    """evaluate on at most this many questions per dataset (0: all)"""
+
+
+# ALGO LOGIC: rewards, advantages and the losses
+def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
+    """ORZ's outcome reward: 1 for a verified answer whose completion stopped, 0 otherwise (a
+    truncated one gets 0: orz_7b_ppo.py custom_reward_fn; --truncated-reward keep). [N] tensors."""
+    reward = correct.float()
+    return reward * ~truncated.bool() if args.truncated_reward == "zero" else reward
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T]: each completion's reward on its last token (mask's last 1), 0 elsewhere (ORZ
+    compute_reward, verl's reward managers)."""
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    token_rewards = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    return token_rewards.scatter(1, last[:, None], rewards[:, None])
+
+
+def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
+    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
+    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
+    (one per row). Returns raw (advantages, returns), [B, T]."""
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        keep = mask[:, t] > 0
+        next_value = torch.where(keep, values[:, t], next_value)
+        running = torch.where(keep, delta + gamma * lam * running, running)
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ORZ's batch-level advantage normalisation (orz/ppo/utils.py normalize_advantages) over every
+    rank's completion tokens: (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0
+    outside the mask."""
+    m = mask.to(advantages.dtype)
+    count, total = global_sum(torch.stack([m.sum(), (advantages * m).sum()]))
+    mean = total / count.clamp(min=1)
+    var = global_sum(((advantages - mean) ** 2 * m).sum()) / count.clamp(min=1)
+    return (advantages - mean) * var.clamp(min=1e-8).rsqrt() * m
+
+
+def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A critic's advantages: the outcome reward on the last token, GAE with --gamma and --lam on
+    the critic's values, whitened. rewards: [N]; values, mask: [N, T]. Returns (advantages, the
+    critic's targets R_t), [N, T] each (unlike the critic-free scripts' [N] -> [N])."""
+    advantages, returns = compute_gae(
+        outcome_token_rewards(rewards, mask), values, mask, args.gamma, args.lam
+    )
+    return whiten(advantages, mask), returns
+
+
+def compute_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    args: Args,
+    num_tokens: torch.Tensor | None = None,
+    num_seqs: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO loss (ORZ eq. 1) with a token mean: -1/sum_i |o_i| sum_i sum_t min(r A_it, clip(r) A_it).
+
+    logps, old_logps, mask, advantages: [B, T] (the advantage is per token). num_tokens: the
+    mini-batch's token count when this batch is one micro-batch of it (common.batching
+    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
+    so they add up over micro-batches too. No KL: ref_logps and num_seqs are unused."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+        return (x * mask).sum() / num_tokens
+
+    log_ratio = logps - old_logps
+    ratio = torch.exp(log_ratio)
+    adv = advantages
+    clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
+    per_token = -surrogate * rc_weight
+    loss = token_mean(per_token)
+    with torch.no_grad():
+        stats["policy_loss"] = loss.detach()
+        stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
+        stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
+        stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
+    return loss, stats
+
+
+def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
+    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
+    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
+    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    per_token = (values - returns) ** 2
+    clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
+    if args.value_clip is not None:
+        c = args.value_clip
+        clipped = (torch.clamp(values, old_values - c, old_values + c) - returns) ** 2
+        clipped_more = clipped > per_token
+        per_token = torch.maximum(per_token, clipped)
+    loss = 0.5 * (per_token * mask).sum() / num_tokens
+    clip_frac = (clipped_more * mask).sum() / num_tokens
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": clip_frac}
+
+
+# TRY NOT TO MODIFY: the update loop
+def update_policy(
+    policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
+):
+    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
+    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
+    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
+    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
+    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
+    host."""
+    n, device = batch["ids"].shape[0], batch["ids"].device
+    num_mini_batches = num_mini_batches or args.num_mini_batches
+    mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
+    stats, norms, skipped, canary = {}, [], 0, LogprobCanary()
+    for epoch in range(args.ppo_epochs):
+        seed = args.seed * 1_000_003 + step * 101 + epoch
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        for mb in range(num_mini_batches):
+            rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
+            plan = micro_batches(rows, batch["lens"], args)
+            chunks = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
+            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in chunks])
+            for j, (m, (_, p_w, _)) in enumerate(zip(chunks, plan)):
+                last = j == len(chunks) - 1
+                accelerator.gradient_state._set_sync_gradients(last)  # DeepSpeed steps at the last
+                with contextlib.nullcontext() if last else accelerator.no_sync(policy):
+                    logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
+                    old = m.get("old_logps", logps.detach())
+                    extra = dict(ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"))
+                    loss, mb_stats = compute_policy_loss(
+                        logps, old, m["advantages"], m["mask"], args, num_tokens, num_seqs, **extra
+                    )
+                    accelerator.backward(loss)
+                mb_stats.update(loss=loss, entropy=(entropy * m["mask"]).sum() / num_tokens)
+                add_stats(stats, mb_stats, 1 / updates)
+                if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
+                    canary.add(logps, m["sampler_logps"], m["mask"])
+            norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
+            if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(norm.detach().float())
+    stats.update(
+        canary.stats(), grad_norm=torch.stack(norms).mean(), skipped_updates=float(skipped)
+    )
+    return stats
+
+
+# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
+    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
+    value loss, accumulated over micro-batches with the mini-batch's global token count (the
+    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
+    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
+    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    n, device = batch["ids"].shape[0], batch["ids"].device
+    updates = args.critic_num_mini_batches * args.ppo_epochs
+    stats, norms, skipped = {}, [], 0
+    for epoch in range(args.ppo_epochs):
+        seed = args.seed * 1_000_003 + step * 101 + epoch + 50_000  # not the policy's order
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        for rows in perm.tensor_split(args.critic_num_mini_batches):  # sizes differ by at most 1
+            plan = micro_batches(rows.tolist(), batch["lens"], args)
+            chunks = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
+            num_tokens, _ = grad_normalizers([m["mask"] for m in chunks])
+            for j, (m, (_, p_w, _)) in enumerate(zip(chunks, plan)):
+                last = j == len(chunks) - 1
+                with contextlib.nullcontext() if last else accelerator.no_sync(critic):
+                    values = critic(m["ids"], m["attn"], p_w)
+                    loss, mb_stats = compute_value_loss(
+                        values, m["old_values"], m["returns"], m["mask"], args, num_tokens
+                    )
+                    critic_backward(accelerator, critic, loss, last)
+                add_stats(stats, mb_stats, 1 / updates)
+            norm = critic_grad_norm(accelerator, critic, args.critic_max_grad_norm)
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
+            if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(norm.detach().float())
+    stats.update(critic_grad_norm=torch.stack(norms).mean(), critic_skipped_updates=float(skipped))
+    return stats
+
+
+def main(args: Args) -> None:
+    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
+    accelerator = start(args)  # the flags every script has, "auto" modes resolved (common/run.py)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer, model = load_model(args)
+    per_rank = args.prompts_per_step // world * args.group_size  # ALGO LOGIC: the critic's flags
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and (args.value_clip or 1) > 0):
+        raise SystemExit("need 0 <= --gamma <= 1, 0 <= --lam <= 1 and --value-clip > 0 (or None)")
+    if not 1 <= args.critic_num_mini_batches <= per_rank:
+        raise SystemExit(f"--critic-num-mini-batches must be in [1, {per_rank}] (rows per rank)")
+    if args.critic_model_name_or_path:
+        check_critic_path(args.critic_model_name_or_path, len(tokenizer))
+    data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
+    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    policy, optimizer, scheduler = prepare_training(args, model, accelerator)
+    sampler = load_sampler(args, model, tokenizer, accelerator)
+    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+        run.log(evaluate(sampler, eval_sets, args), 0)
+        return run.close(sampler)
+    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    critic, critic_optimizer, critic_scheduler = load_critic(
+        args,
+        accelerator,
+        args.critic_model_name_or_path or args.model_name_or_path,
+        args.critic_learning_rate,
+        args.critic_warmup_steps,
+        args.critic_weight_decay,
+        args.critic_max_grad_norm,
+    )
+    start_step = resume(args, run, policy, sampler, data) if args.resume else 0
+
+    for step in range(start_step, args.total_steps):
+        timer = Timer()
+        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
+        # --off-policy-steps K: generated K steps ago, by that step's policy
+        rows, completions, staleness = data.rollout(step, sampler, rank, world)
+        prompts = [data.prompts[i] for i in rows]
+        if args.vllm_enable_sleep_mode:
+            sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
+        timer.lap("generate")
+        golds = [data.golds[i] for i in rows for _ in range(args.group_size)]
+        texts = [c.text for c in completions]
+        correct, reward_info = score(texts, golds, answer_format=args.reward_format)
+        correct = torch.tensor(correct, device=device)
+        lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
+        truncated = torch.tensor([c.truncated for c in completions], device=device)
+        timer.lap("reward")
+
+        # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
+        rewards = compute_rewards(correct, lengths, truncated, args)
+        trained_rewards = rewards
+        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
+        # metrics describe the policy's own samples
+        groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
+        if groups.changed:
+            t = groups.tensors(device)
+            trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
+
+        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        pad_id = tokenizer.pad_token_id
+        batch = make_batch(groups.prompts, groups.completions, trained_rewards, pad_id, device)
+        plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
+        with torch.no_grad():  # ALGO LOGIC: V(s_t) once per rollout, then GAE: advantages [N, C]
+            batch["old_values"] = compute_values(critic, batch, plan)
+        advantages, batch["returns"] = compute_advantages(
+            trained_rewards, batch["old_values"], batch["mask"], args
+        )
+        batch["advantages"] = advantages
+        value_stats = value_metrics(
+            batch["old_values"], batch["returns"], advantages, batch["mask"]
+        )
+        any_signal = (advantages != 0).any().float().reshape(1)
+        has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
+        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        recompute = (
+            args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
+        )
+        with torch.no_grad():
+            if recompute and has_signal:
+                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
+            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
+        timer.lap("old_logprobs")
+
+        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
+        if has_signal:
+            stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
+        timer.lap("train")
+        # ALGO LOGIC: the critic, on the same rollout (its targets need no signal)
+        critic_stats = update_critic(
+            critic, critic_optimizer, critic_scheduler, accelerator, batch, args, step
+        )
+        stats.update(critic_stats, **value_stats, critic_lr=critic_scheduler.get_last_lr()[0])
+        run.count_bad_updates(int(stats["skipped_updates"] + stats["critic_skipped_updates"]), step)
+        timer.lap("train_critic")
+        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
+        timer.lap("weight_sync")
+
+        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        stats.update(
+            no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
+        )
+        metrics = step_metrics(
+            accelerator, completions, correct, rewards, reward_info, stats, timer, args.group_size
+        )
+        metrics.update(data.metrics(groups, accelerator))
+        last_step = step + 1 == args.total_steps
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or last_step):
+            metrics.update(evaluate(sampler, eval_sets, args))
+        run.log(metrics, step)
+        run.log_samples(step, prompts, texts, rewards, tokenizer.decode)
+        stopping = run.stop_requested()  # SIGINT / SIGTERM: finish the step, save, exit cleanly
+        if stopping or (
+            args.save_every > 0 and (step + 1) % args.save_every == 0 and not last_step
+        ):
+            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1)
+        if stopping:
+            accelerator.print(
+                f"stopped by signal after step {step + 1}; resume: --resume {run.dir}"
+            )
+            return run.close(sampler)
+
+    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps)
+    accelerator.print(f"done: {run.dir}")
+    run.close(sampler)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
