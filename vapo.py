@@ -6,29 +6,28 @@ Paper: Yue et al. 2025, https://arxiv.org/abs/2504.05118 (ByteDance Seed), on VC
 the token-level loss, https://arxiv.org/abs/2503.14476). No official code.
 
 What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's seven changes:
-1. Value pre-training: for the first --value-warmup-steps steps the critic alone trains, on the
-   initial policy's samples, towards Monte-Carlo returns (the policy is not updated, so its samples
-   stay the initial policy's; with lambda = gamma = 1 the return of every token is the outcome R).
-2. Decoupled GAE: the critic's targets use lambda_critic = 1.0 (unbiased), the policy's advantages
-   their own, smaller lambda (VC-PPO §3.2).
-3. Length-adaptive GAE: the policy's lambda for a completion of l tokens is 1 - 1 / (alpha l),
-   alpha = 0.05, so that sum_t lambda^t = alpha l grows with the length (§3.2); clamped at 0 for
-   l < 1 / alpha (our choice: the formula is negative there, and the paper's lengths are longer).
-4. Clip-Higher: eps_low 0.2, eps_high 0.28 (DAPO §3.1).
-5. Token-level policy-gradient loss: a token mean over the mini-batch (DAPO §3.3).
-6. Positive-example LM loss: L = L_PPO + mu L_NLL, L_NLL the token-mean negative log-likelihood of
-   the correct completions of the mini-batch, mu = 0.1 (self-imitation).
-7. Group sampling: many samples of fewer prompts, 512 prompts x 16 (the defaults in "Paper
-   overrides" below); no dynamic sampling.
+1. Value pre-training (§3.1): for the first --value-warmup-steps steps the critic alone trains, on
+   the initial policy's samples (the policy is not updated), towards Monte-Carlo returns.
+2. Decoupled GAE (§3.1): the critic's targets use lambda_critic = 1.0, the policy's advantages a
+   smaller lambda of their own.
+3. Length-adaptive GAE (§3.2): the policy's lambda for a completion of l tokens is 1 - 1 / (alpha l),
+   alpha = 0.05, so that sum_t lambda^t = alpha l grows with the length; clamped at 0 for
+   l < 1 / alpha (our choice: the formula is negative there; the paper's lengths are longer).
+4. Clip-Higher (§3.3): eps_low 0.2, eps_high 0.28 (DAPO §3.1).
+5. Token-level policy-gradient loss (§3.2): a token mean over the mini-batch (DAPO §3.3).
+6. Positive-example LM loss (§3.3): L = L_PPO + mu L_NLL, L_NLL the token-mean negative
+   log-likelihood of the mini-batch's correct completions, mu = 0.1 (self-imitation).
+7. Group sampling (§3.3): many samples of fewer prompts, 512 x 16 (the "Paper overrides" below).
 
     A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the critic's target)
     L = -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1 - 0.2, 1 + 0.28) A)
         - mu / sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it)
 
-The two lambdas: the paper gives the critic 1.0 and the policy the smaller, length-adaptive one
-(VC-PPO §3.2: lambda < 1 in the critic's target decays the end reward towards the bootstrapped,
-biased values; the policy's advantages tolerate that bias for a lower variance). A note that states
-them the other way round (the policy at 1.0, the critic at 0.9) contradicts both papers' ablations.
+Why the critic gets 1.0 and the policy the smaller lambda (a note states them the other way round,
+the policy at 1.0 and the critic at 0.9; we follow the paper): with lambda < 1 the critic's target
+mixes in its own bootstrapped, biased values and the end-of-sequence reward decays on its way back
+through a long completion (VC-PPO's "reward signal decay"), so the critic regresses on unbiased
+Monte-Carlo returns; the policy's advantages can trade that bias for a lower variance.
 
 Defaults. From the paper (§4.1): 50 warm-up steps, lambda_critic 1.0, alpha 0.05, Clip-Higher
 0.2 / 0.28, mu 0.1, 512 prompts x 16, mini-batches of 512 samples (16 updates per rollout, the
@@ -36,8 +35,7 @@ critic's too), actor lr 1e-6 and critic lr 2e-6. The critic starts from the poli
 (the paper's starts from a reward model, which a verifier-based run does not have). The paper is
 silent on: the reward (±1 as DAPO eq. 7, whose setting VAPO compares under), gamma (1), advantage
 whitening (verl's compute_gae_advantage_return whitens; so do we), the value clip (verl's 0.5), the
-critic's warm-up and weight decay (none). Not from the paper (as in every script):
---rollout-correction weighs the policy term (on with vLLM).
+critic's warm-up and weight decay (none). Not from the paper: --rollout-correction (on with vLLM).
 
     accelerate launch vapo.py                                  # the paper setting, on GPUs
     python vapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -242,7 +240,7 @@ class Args:
     gamma: float = 1.0
     """GAE's discount, for the critic's targets and the policy's advantages (paper silent: 1)"""
     lam_critic: float = 1.0
-    """GAE's lambda of the critic's targets (§3.1 decoupled GAE: 1.0, Monte-Carlo returns)"""
+    """GAE's lambda of the critic's targets (§3.1, decoupled GAE: 1.0, Monte-Carlo returns)"""
     lam_alpha: float = 0.05
     """the policy's lambda for a completion of l tokens is max(0, 1 - 1 / (lam_alpha l)) (§3.2)"""
     value_warmup_steps: int = 50
@@ -264,13 +262,12 @@ class Args:
     """the critic's gradient clipping (paper silent: the policy's 1.0)"""
     critic_num_mini_batches: int = 16
     """the critic's optimizer steps per rollout and epoch (§4.1: mini-batches of 512 of 8192)"""
-    # Paper overrides of the shared flags (§4.1, and DAPO's setting that VAPO is compared in; pass
-    # them as flags):
+    # Paper overrides of the shared flags (§4.1, and DAPO's setting VAPO compares in; pass them):
     #   --model-name-or-path Qwen/Qwen2.5-7B   (the paper's Qwen2.5-32B does not fit one node)
     #   --group-size 16 --prompts-per-step 512 --num-mini-batches 16   (§4.1 group sampling, 512s)
     #   --dataset-name open-r1/DAPO-Math-17k-Processed --dataset-config en --prompt-column prompt
     #   --prompt-template dapo --max-prompt-tokens 2048 --max-new-tokens 20480   (DAPO §4.1)
-    #   --eval-datasets ... AIME 2024 --eval-samples 32 --eval-temperature 1.0   (avg@32, Table 1)
+    #   --eval-datasets math-ai/aime24 --eval-samples 32   (avg@32, Table 1; the rest: dapo.py's)
     #   unchanged: --learning-rate 1e-6 (§4.1), --temperature 1.0, --top-p 1.0
 
     # Evaluation
@@ -340,7 +337,7 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def policy_lambda(mask: torch.Tensor, args: Args) -> torch.Tensor:
     """Length-adaptive GAE (§3.2): lambda = 1 - 1 / (alpha l), l each completion's token count, [B];
     at least 0 (the formula is negative for l < 1 / alpha)."""
-    return (1 - 1 / (args.lam_alpha * mask.sum(-1).clamp(min=1))).clamp(min=0)
+    return (1 - 1 / (args.lam_alpha * mask.sum(-1).clamp(min=1).double())).clamp(min=0)
 
 
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,9 @@ with the world size (`job_file` names the file). `fsdp2=1` (not a flag) prepares
 accelerate's launcher sets on GPUs, and also samples with HF generate on the sharded policy (every rank its own
 prompts). `stale=1` makes the rollout off-policy: old log-probs = the model's + noise and sampler log-probs = those +
 noise (NaN on two rows, as injected ones), so that ratio clips, masks and per-mini-batch token selections act.
+A script with a critic (`update_critic`: ppo.py, vapo.py) also gets one, a second copy of the model with a random
+head, prepared after the policy: its values of the whole rollout come first, the advantages from them (GAE,
+whitened over both ranks), then both updates; the critic's gradient is saved too, its keys prefixed "critic.".
 """
 
 from __future__ import annotations
@@ -99,10 +102,15 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
             zero_allow_untested_optimizer=True,
         )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    critic = None
+    if hasattr(mod, "update_critic"):  # a value model, prepared after the policy as the scripts do
+        critic, values, critic_opt, critic_sched = critic_job(accelerator, model_dir, args, n)
     names = [k for k, _ in accelerator.unwrap_model(policy).lm.named_parameters()]
     before = {
         k: v.clone() for k, v in (accelerator.get_state_dict(policy) or {}).items()
     }  # full, on rank 0 (ZeRO-3: gathered)
+    if critic is not None:
+        before.update({"critic." + k: v.clone() for k, v in (accelerator.get_state_dict(critic) or {}).items()})
     if deepspeed or fsdp2:  # the vLLM weight push when sharded: every rank gets the full tensors, checkpoint names
         from common.sampling import iter_weight_buckets
         from tests.test_sampling import _assert_matches_checkpoint, _checkpoint, _flatten
@@ -122,25 +130,58 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
         assert len(sampled) == 2 * len(prompts) and all(0 < len(c.token_ids) <= 3 + 2 * rank for c in sampled)
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
-    batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
+    if critic is None:
+        batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
+    else:  # GAE on this rank's share of the critic's values; the whitening spans both ranks
+        batch["old_values"] = values[share]
+        batch["advantages"], batch["returns"] = mod.compute_advantages(rewards, values[share], batch["mask"], args)
+        batch["positive"] = (rewards > 0).double()  # vapo.py's LM loss
     if stale:
         batch["old_logps"], batch["sampler_logps"] = old_logps[share], sampler_logps[share]
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, batch["mask"].shape[1], generator=g, dtype=torch.float64) * 6)[share]
     stats = mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+    if critic is not None:
+        mod.update_critic(critic, critic_opt, critic_sched, accelerator, batch, args, 0)
     if fsdp2:  # the update's stats as step_metrics gathers them (FSDP2's clip_grad_norm_ returns a DTensor)
         from common.metrics import gather
 
         norms = gather(accelerator, stats["grad_norm"])
         assert len(norms) == world and torch.isfinite(norms).all(), norms
     after = accelerator.get_state_dict(policy)  # gathered on rank 0 under ZeRO-3
+    if critic is not None:
+        critic_after = accelerator.get_state_dict(critic)
     if accelerator.is_main_process:
         grad = {k: before["lm." + k] - after["lm." + k] for k in names}
+        if critic is not None:
+            grad.update({"critic." + k: before["critic." + k] - v for k, v in critic_after.items()})
         torch.save(
             {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
             os.path.join(out_dir, job_file(script, world, micro, overrides, deepspeed, fsdp2)),
         )
     accelerator.free_memory()  # the next job prepares its own model, optimizer and scheduler
+
+
+def critic_job(accelerator, model_dir: str, args, n: int):
+    """The critic of a job: the model's decoder with a head drawn at random (its zero start would leave the decoder
+    without a gradient), its values of the whole rollout (every rank the same, before any update), SGD(lr=1) and a
+    constant schedule, prepared. Returns (critic, values [n, C], optimizer, scheduler)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.batching import micro_batches
+    from common.critic import TokenValues, compute_values
+
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    critic = TokenValues(lm.get_decoder(), lm.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(2))
+    full = fixed_rollout(slice(None), n)[0]
+    with torch.no_grad():
+        values = compute_values(critic, full, micro_batches(list(range(n)), full["lens"], args)).double()
+    args.critic_num_mini_batches, args.critic_max_grad_norm = 1, 1e9
+    optimizer = torch.optim.SGD(critic.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    critic, optimizer, scheduler = accelerator.prepare(critic, optimizer, scheduler)
+    return critic, values, optimizer, scheduler
 
 
 def main() -> None:

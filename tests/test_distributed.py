@@ -79,13 +79,14 @@ CASES += [(s, kw) for s, kw in [
 
 
 # Every split for the scripts whose update reaches across the mini-batch beyond the two normalisers (GRPO's reference,
-# LitePPO's batch std, DARO's weights, Clip-Cov's and M2PO's token selections); the others' losses are sums over the
-# rollout divided by those normalisers (their micro-batch additivity: each script's float64 test), so 1 process
-# against 2 ranks in micro-batches checks them. Which rows a micro-batch holds is common code, the same for all.
-ALL_SPLITS = ("grpo", "lite_ppo", "daro", "clip_cov", "m2po")
-# FSDP2 as well (see the test's docstring): grpo, LitePPO's batch std, DARO's weights, and the token selections of
-# Clip-Cov and M2PO over both ranks' mini-batch (their first case each)
-FSDP2_CASES = [(s, kw) for s, kw in CASES if s in ("grpo", "lite_ppo", "daro")]
+# LitePPO's batch std, DARO's weights, Clip-Cov's and M2PO's token selections, the critics' whitening over both ranks
+# and VAPO's LM-loss token count); the others' losses are sums over the rollout divided by those normalisers (their
+# micro-batch additivity: each script's float64 test), so 1 process against 2 ranks in micro-batches checks them.
+# Which rows a micro-batch holds is common code, the same for all.
+ALL_SPLITS = ("grpo", "lite_ppo", "daro", "clip_cov", "m2po", "ppo", "vapo")
+# FSDP2 as well (see the test's docstring): grpo, LitePPO's batch std, DARO's weights, ppo.py's critic (a second
+# sharded model), and the token selections of Clip-Cov and M2PO over both ranks' mini-batch (their first case each)
+FSDP2_CASES = [(s, kw) for s, kw in CASES if s in ("grpo", "lite_ppo", "daro", "ppo")]
 FSDP2_CASES += [(s, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]
 
 
@@ -174,17 +175,22 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
 @pytest.mark.parametrize("micro", [16, 3])
 def test_zero3_gives_the_same_update(micro, gradients, toy_assets, tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU processes (every parameter partitioned, the tied output weight used outside its
-    module, k micro-batches per optimizer step) gives the update of 1 process without DeepSpeed."""
+    module, k micro-batches per optimizer step) gives the update of 1 process without DeepSpeed; so does ppo.py's,
+    policy and critic: two engines, the critic's driven by its own backward and step (common/critic.py), in the same
+    launch."""
     pytest.importorskip("deepspeed")
-    whole = gradients("1", "grpo", 16, {})
-    launch = run_worker(tmp_path, toy_assets["model"], 2, [("grpo", micro, {})], zero3=True)
-    zero3 = load_grad(tmp_path, "grpo", 2, micro, {}, zero3=True, launch=launch)
-    assert zero3["world_size"] == 2 and zero3["type"] == "DistributedType.DEEPSPEED"
-    # DeepSpeed trains the fp64 toy model in fp32. Each gradient entry is ~10 sums deep (2 layers' matmuls, norms,
-    # attention) of K <= 128 terms; the probabilistic bound sqrt(K) u32 per sum (Higham & Mary, SIAM J. Sci.
-    # Comput. 2019) gives 10 sqrt(128) 6e-8 = 7e-6 relative: rtol 1e-5, atol 1e-6 for entries near 0.
-    for k, g in whole["grad"].items():
-        torch.testing.assert_close(zero3["grad"][k].double(), g, rtol=1e-5, atol=1e-6, msg=f"ZeRO-3: {k}")
+    jobs = [(s, micro, {}) for s in ("grpo", "ppo") if s in SCRIPTS]
+    launch = run_worker(tmp_path, toy_assets["model"], 2, jobs, zero3=True)
+    for script, _, _ in jobs:
+        whole = gradients("1", script, 16, {})
+        zero3 = load_grad(tmp_path, script, 2, micro, {}, zero3=True, launch=launch)
+        assert zero3["world_size"] == 2 and zero3["type"] == "DistributedType.DEEPSPEED"
+        assert set(zero3["grad"]) == set(whole["grad"])
+        # DeepSpeed trains the fp64 toy model in fp32. Each gradient entry is ~10 sums deep (2 layers' matmuls,
+        # norms, attention) of K <= 128 terms; the probabilistic bound sqrt(K) u32 per sum (Higham & Mary, SIAM J.
+        # Sci. Comput. 2019) gives 10 sqrt(128) 6e-8 = 7e-6 relative: rtol 1e-5, atol 1e-6 for entries near 0.
+        for k, g in whole["grad"].items():
+            torch.testing.assert_close(zero3["grad"][k].double(), g, rtol=1e-5, atol=1e-6, msg=f"ZeRO-3 {script}: {k}")
 
 
 # The scripts with their own code under DeepSpeed: GRPO's sharded reference model, DAPO's and CISPO's generation

@@ -40,6 +40,7 @@ def documented_key(key: str) -> str:
     """The README's spelling of a metric key: bucket values and dataset names become placeholders."""
     key = re.sub(r"^(train/daro_[wLM]_)[0-9.]+$", r"\1<μ>", key)
     key = re.sub(r"^train/reflection/[a-z_]+_(frac|accuracy)$", r"train/reflection/<pattern>_\1", key)
+    key = re.sub(r"^(train/adv_(mean|std)_pos)\d+$", r"\1<k>", key)
     return re.sub(r"^eval/[^/]+/(avg|pass|maj)@\d+$", r"eval/<dataset>/\1@k", key)
 
 
@@ -52,6 +53,7 @@ def undocumented_metric_keys(keys) -> list[str]:
 
 def test_undocumented_metric_keys_are_found():
     assert undocumented_metric_keys(["train/accuracy", "eval/test/avg@2", "train/daro_w_0.5"]) == []
+    assert undocumented_metric_keys(["train/adv_mean_pos16", "train/adv_std_pos4096", "train/value_loss"]) == []
     assert undocumented_metric_keys(["train/accuracy", "train/not_a_metric"]) == ["train/not_a_metric"]
 
 

@@ -29,6 +29,8 @@ SCRIPTS = [
         "dppo",
         "clip_cov",
         "m2po",
+        "ppo",
+        "vapo",
     )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
@@ -46,7 +48,12 @@ LEARN_FLAGS: dict[str, dict] = {
     "dppo": {"num-mini-batches": 1},
     "clip_cov": {"num-mini-batches": 2},
     "m2po": {},
-}
+    # the critic at the policy's lr, one critic step per rollout; ORZ's reward 0 for a truncated completion would
+    # leave the toy (whose completions never end with EOS) without reward
+    "ppo": {"truncated-reward": "keep", "critic-learning-rate": 3e-3, "critic-warmup-steps": 0,
+            "critic-num-mini-batches": 1},
+    "vapo": {"critic-learning-rate": 3e-3, "critic-num-mini-batches": 1, "value-warmup-steps": 1},
+}  # fmt: skip
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 
 

@@ -20,13 +20,17 @@ EXTRA_IMPORTS = {
     "cispo": {"gather"},
     "clip_cov": {"batching"},  # global_sum / global_cat: the token selection over all ranks
     "m2po": {"global_cat"},
+    # the critic (common/critic.py) and the whitening over all ranks
+    "ppo": {"global_sum", "check_critic_path", "compute_values", "critic_backward", "critic_grad_norm"}
+    | {"load_critic", "value_metrics"},
 }
+EXTRA_IMPORTS["vapo"] = EXTRA_IMPORTS["ppo"]
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top
 UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}
 # update_policy differs: DARO also steps its bucket weights; Clip-Cov / KL-Cov and M2PO select tokens once per
-# mini-batch over all ranks
-OWN_UPDATE = ("daro", "clip_cov", "m2po")
+# mini-batch over all ranks; VAPO counts the tokens of its LM loss over the mini-batch
+OWN_UPDATE = ("daro", "clip_cov", "m2po", "vapo")
 
 
 def source(name: str) -> str:
@@ -77,3 +81,11 @@ def test_shared_scaffolding_is_identical():
             got, want = functions(src)["update_policy"], functions(srcs["grpo"])["update_policy"]
             assert ast.get_source_segment(src, got) == ast.get_source_segment(srcs["grpo"], want), name
         assert src.rstrip().endswith('if __name__ == "__main__":\n    main(tyro.cli(Args))'), name
+
+
+def test_the_critic_scripts_share_one_critic_update():
+    """ppo.py and vapo.py train their critics with the same update_critic, line for line."""
+    srcs = {name: source(name) for name in SCRIPTS if "update_critic" in functions(source(name))}
+    assert {"ppo", "vapo"} <= set(srcs)
+    segments = {ast.get_source_segment(src, functions(src)["update_critic"]) for src in srcs.values()}
+    assert len(segments) == 1

@@ -1,6 +1,8 @@
 """Side by side: the losses of sapo.py, gmpo.py, dppo.py, clip_cov.py (Clip-Cov and KL-Cov) and m2po.py against the
 peers' own code (verl, TRL, SkyRL, AReaL, prime-rl and the papers' official repositories), on the same random float64
-inputs: for each (loss, peer, configuration) the loss values and max |d loss / d logps ours - theirs|.
+inputs: for each (loss, peer, configuration) the loss values and max |d loss / d logps ours - theirs|; and ppo.py's
+and vapo.py's GAE, whitening and value loss against verl's, OpenRLHF's and Open-Reasoner-Zero's (the value loss's
+gradient is d loss / d values).
 
 The peers' code is never copied into this repository: it is read at run time from clones you provide, at the commits
 pinned in PEERS, and only the functions listed in CUTS (path:lines) are cut out and exec'd, with small stand-ins for
@@ -44,7 +46,9 @@ import clip_cov  # noqa: E402
 import dppo  # noqa: E402
 import gmpo  # noqa: E402
 import m2po  # noqa: E402
+import ppo  # noqa: E402
 import sapo  # noqa: E402
+import vapo  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pinned peer code
@@ -53,6 +57,7 @@ VERL, VERL_PR, TRL = "verl-project+verl", "volcengine+verl", "huggingface+trl"
 SKYRL, AREAL, PRIME = "NovaSky-AI+SkyRL", "inclusionAI+AReaL", "PrimeIntellect-ai+prime-rl"
 STABLE, GMPO_OFF = "sail-sg+Stable-RL", "callsys+GMPO"
 COV_OFF, M2PO_OFF = "PRIME-RL+Entropy-Mechanism-of-RL", "Infini-AI-Lab+M2PO"
+OPENRLHF, ORZ = "OpenRLHF+OpenRLHF", "Open-Reasoner-Zero+Open-Reasoner-Zero"
 
 PEERS: dict[str, str] = {  # repository -> the commit read
     VERL: "1dda039b9c6311889a9c9a26040677e1254814f9",  # 2026-08-22 (volcengine/verl's new home)
@@ -66,6 +71,8 @@ PEERS: dict[str, str] = {  # repository -> the commit read
     GMPO_OFF: "205b2bf412f150cf96c29b33273b81bcd1a9b20f",  # 2025-07-30, GMPO's official code (on oat)
     COV_OFF: "88505792fd97a11993445e93195145e3c1181955",  # 2025-06-26, Clip-Cov / KL-Cov's official code
     M2PO_OFF: "af54a3e8feffb7a66a8258003aebefa37759cec0",  # 2025-10-08, M2PO's official code
+    OPENRLHF: "3c3be6234e0cb353e76bb8019947db9dfe99fca7",  # 2026-08-13
+    ORZ: "3fdd9a07b4fb01e06005e6e74fc56690cde8a341",  # 2025-06-03, Open-Reasoner-Zero's official code
 }
 
 _VF, _VC = "verl/utils/torch_functional.py", "verl/trainer/ppo/core_algos.py"
@@ -140,6 +147,33 @@ CUTS: dict[str, list[tuple[str, str, int, int, str]]] = {
         (VERL_PR, _VC, 2004, 2075, "compute_policy_loss_m2po"),
     ],
 }
+_OR = "openrlhf/"
+CUTS.update(
+    {  # the critics: GAE, whitening, the value loss
+        "verl.critic": [
+            (VERL, _VF, 210, 228, "clip_by_value"),
+            (VERL, _VF, 273, 291, "masked_sum"),
+            (VERL, _VF, 294, 308, "masked_mean"),
+            (VERL, _VF, 311, 326, "masked_var"),
+            (VERL, _VF, 329, 346, "masked_whiten"),
+            (VERL, _VC, 1140, 1206, "agg_loss"),
+            (VERL, _VC, 216, 263, "compute_gae_advantage_return"),
+            (VERL, _VC, 2124, 2184, "compute_value_loss"),
+        ],
+        "openrlhf": [
+            (OPENRLHF, _OR + "models/utils.py", 166, 169, "masked_mean"),
+            (OPENRLHF, _OR + "models/loss.py", 11, 39, "aggregate_loss"),
+            (OPENRLHF, _OR + "models/loss.py", 233, 269, "ValueLoss"),
+            (OPENRLHF, _OR + "trainer/ppo_utils/experience_maker.py", 333, 377, "get_advantages_and_returns"),
+        ],
+        "orz": [
+            (ORZ, "orz/ppo/utils.py", 118, 121, "masked_mean"),
+            (ORZ, "orz/ppo/utils.py", 219, 290, "get_advantages_and_returns"),
+            (ORZ, "orz/ppo/utils.py", 293, 319, "normalize_advantages"),
+            (ORZ, "orz/ppo/actors.py", 81, 107, "ValueLoss"),
+        ],
+    }
+)
 FUTURE_ANNOTATIONS = {"areal.ppo", "prime"}  # their annotations name types the namespace does not have
 
 
@@ -180,7 +214,7 @@ def namespace(**extra: Any) -> dict[str, Any]:
 
     import numpy as np
 
-    ns = dict(torch=torch, np=np, math=math, Optional=typing.Optional, Any=Any, Callable=typing.Callable)
+    ns = dict(torch=torch, nn=torch.nn, np=np, math=math, Optional=typing.Optional, Any=Any, Callable=typing.Callable)
     ns.update(dataclass=dataclass, field=field, Tensor=Tensor, __name__="peer")
     sys.modules.setdefault("peer", types.ModuleType("peer"))  # dataclasses look their module up
     return {**ns, **extra}
@@ -475,14 +509,16 @@ class Table:
         dl, dg = abs(lo - lt).item(), (go - gt).abs().max().item()
         self.rows.append(Row(loss, peer, config, lo.item(), lt.item(), dl, dg, expect, note))
 
-    def record(self, loss: str, peer: str, config: str, fn: Callable[[], tuple[float, float, float, str]]) -> None:
-        """A row that is not a loss: fn() gives (ours, theirs, |difference|, note); expected to agree."""
+    def record(
+        self, loss: str, peer: str, config: str, fn: Callable[[], tuple[float, float, float, str]], expect=True
+    ) -> None:
+        """A row that is not a loss: fn() gives (ours, theirs, |difference|, note); expected to agree (`expect`)."""
         try:
             ours, theirs, diff, note = fn()
         except Missing as e:
             self.skip(e)
             return
-        self.rows.append(Row(loss, peer, config, ours, theirs, diff, 0.0, True, note))
+        self.rows.append(Row(loss, peer, config, ours, theirs, diff, 0.0, expect, note))
 
     def skip(self, e: Missing) -> None:
         if e.repo not in self.skipped:
@@ -1043,6 +1079,131 @@ def run_m2po(p: Peers, t: Table) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# ppo.py and vapo.py: GAE, whitening, the value loss
+# ---------------------------------------------------------------------------------------------------------------------
+def critic_inputs(seed: int, gaps: bool) -> SimpleNamespace:
+    """B rows: 0/1 outcome rewards on each row's last kept token, values in [-0.5, 1.5], ragged right padding and,
+    with `gaps`, masked spans inside rows (a tool's output); old values and predictions 0.05-0.6 apart (inside and
+    outside a 0.2 clip)."""
+    g, f64 = torch.Generator().manual_seed(seed), torch.float64
+    lens = torch.randint(4, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lens[:, None]).double()
+    if gaps:
+        for i in range(0, B, 3):
+            mask[i, 1 : 1 + int(lens[i]) // 3] = 0.0  # keeps the last token
+    rewards = ppo.outcome_token_rewards(torch.randint(0, 2, (B,), generator=g).double(), mask)
+    values = torch.rand(B, T, generator=g, dtype=f64) * 2 - 0.5
+    step = torch.where(torch.rand(B, T, generator=g) < 0.5, 0.1, 0.5) + 0.05 * torch.rand(B, T, generator=g)
+    preds = values + step * torch.sign(torch.randn(B, T, generator=g, dtype=f64))
+    returns = ppo.compute_gae(rewards, values, mask, 1.0, 1.0)[1]
+    return SimpleNamespace(rewards=rewards, values=values, mask=mask, logps=preds, returns=returns, lens=lens)
+
+
+def max_diff(*pairs: tuple[Tensor, Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in pairs)
+
+
+def run_critic(p: Peers, t: Table) -> None:
+    def verl_ns() -> dict[str, Any]:
+        ns = p.load("verl.critic", verl_F=None, register_adv_est=noop_decorator, AdvantageEstimator=Cfg(GAE="gae"))
+        names = ("masked_sum", "masked_mean", "masked_whiten", "clip_by_value")
+        ns["verl_F"] = SimpleNamespace(**{k: ns[k] for k in names})
+        return ns
+
+    def openrlhf_gae(x: SimpleNamespace, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+        fn = p.load("openrlhf")["get_advantages_and_returns"]
+        return fn(None, x.values, x.rewards, x.mask, gamma, lam)  # a method: self unused
+
+    def orz_gae(x: SimpleNamespace, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+        return p.load("orz")["get_advantages_and_returns"](x.values, x.rewards, x.mask, None, gamma, lam)
+
+    def gae_row(peer, config, x, gamma, lam, whiten, theirs, note="", expect=True) -> None:
+        """A row of max |A ours - A theirs| and |R ours - R theirs| over the kept tokens (masked ones hold whatever
+        each implementation leaves there)."""
+
+        def fn() -> tuple[float, float, float, str]:
+            a, r = ppo.compute_gae(x.rewards, x.values, x.mask, gamma, lam)
+            a = whiten(a, x.mask) if whiten else a
+            ta, tr = theirs(x, gamma, lam)
+            m = x.mask > 0
+            return a[m].abs().sum().item(), ta[m].abs().sum().item(), max_diff((a[m], ta[m]), (r[m], tr[m])), note
+
+        t.record("GAE (sum abs A; diff: max over A and R)", peer, config, fn, expect)
+
+    def verl_gae(x: SimpleNamespace, gamma: float, lam) -> tuple[Tensor, Tensor]:
+        return verl_ns()["compute_gae_advantage_return"](x.rewards, x.values, x.mask, gamma, lam)
+
+    skipped = "values and rewards times the mask, then the recursion runs on through the span (V = 0 there, the "
+    skipped += "running advantage decays by gamma lam per masked token); verl and ours skip it (value and "
+    skipped += "advantage carried)"
+    for gaps in (False, True):
+        x = critic_inputs(3, gaps)
+        span = "masked spans inside rows" if gaps else "right padding only"
+        lam_rows = vapo.policy_lambda(x.mask, vapo.Args(lam_alpha=0.3))  # VAPO's per-row lambda, 0-0.92
+        for gamma, lam in ((1.0, 1.0), (0.99, 0.95), (1.0, lam_rows)):
+            what = f"gamma {gamma}, lam {'per row (VAPO)' if isinstance(lam, Tensor) else lam}, {span}"
+            verl_note = "whitened by verl: vapo.whiten (masked_mean's +1e-8 in the token count)"
+            gae_row("verl compute_gae_advantage_return", what, x, gamma, lam, vapo.whiten, verl_gae, verl_note)
+            if isinstance(lam, Tensor):  # OpenRLHF and ORZ take a float lambda
+                continue
+            same = (gamma, lam) == (1.0, 1.0)  # A_t = R - V_t however the span is treated
+            note = "the same at gamma = lam = 1: A_t = R - V_t either way" if gaps and same else (skipped * gaps)
+            gae_row("OpenRLHF get_advantages_and_returns", what + ", raw", x, gamma, lam, None, openrlhf_gae, note,
+                    expect=same or not gaps)  # fmt: skip
+            note = "ORZ computes in fp32 (values.float()): an fp32 rounding apart" + ("; " + note) * bool(note)
+            gae_row("ORZ get_advantages_and_returns", what + ", raw", x, gamma, lam, None, orz_gae, note, expect=False)
+
+    # whitening: ppo.py's is ORZ's, over a packed buffer where every entry is a token
+    x = critic_inputs(4, False)
+    kept = ppo.compute_gae(x.rewards, x.values, x.mask, 1.0, 1.0)[0][x.mask > 0][None]
+
+    def orz_whiten() -> tuple[float, float, float, str]:
+        (item,) = p.load("orz")["normalize_advantages"]([SimpleNamespace(advantages=kept.clone(), action_mask=None)])
+        ours, theirs = ppo.whiten(kept, torch.ones_like(kept)), item.advantages.double()
+        note = "ORZ stores the result in bf16: a bf16 rounding apart"
+        return ours.abs().sum().item(), theirs.abs().sum().item(), max_diff((ours, theirs)), note
+
+    t.record("whitening (sum abs A)", "ORZ normalize_advantages", "packed (no padding)", orz_whiten, expect=False)
+
+    # the value loss, as a function of the critic's predictions (x.logps holds them)
+    flat = SimpleNamespace(**{k: getattr(x, k).reshape(1, -1) for k in ("values", "mask", "returns", "logps")})
+    for clip in (0.2, 0.5):
+
+        def ours(v: Tensor, x: SimpleNamespace = x, clip: float = clip) -> Tensor:
+            return ppo.compute_value_loss(v, x.values, x.returns, x.mask, ppo.Args(value_clip=clip))[0]
+
+        def verl_loss(v: Tensor, clip: float = clip) -> Tensor:
+            return verl_ns()["compute_value_loss"](v, x.returns, x.values, x.mask, clip)[0]
+
+        def openrlhf_loss(v: Tensor, clip: float = clip) -> Tensor:
+            return p.load("openrlhf")["ValueLoss"](clip)(v, x.values, x.returns, x.mask)
+
+        def orz_loss(v: Tensor, x: SimpleNamespace = x, clip: float = clip) -> Tensor:
+            return p.load("orz")["ValueLoss"](clip)(v, x.values, x.returns, x.mask)
+
+        t.compare("value loss", "verl compute_value_loss", f"cliprange_value {clip}, token-mean", ours, verl_loss, x)
+        t.compare("value loss", "OpenRLHF ValueLoss", f"clip_eps {clip}, token_level_loss", ours, openrlhf_loss, x)
+        t.compare(
+            "value loss",
+            "ORZ ValueLoss",
+            f"value_clip {clip}, packed (one row)",
+            lambda v, clip=clip: ours(v, flat),
+            lambda v, clip=clip: orz_loss(v, flat),
+            flat,
+        )
+        note = "a token mean per row, then the mean of the rows; ORZ packs a micro-batch into one row, the token mean"
+        t.compare("value loss", "ORZ ValueLoss", f"value_clip {clip}, padded rows", ours, orz_loss, x, note, False)
+
+    def clip_fraction() -> tuple[float, float, float, str]:
+        ours = ppo.compute_value_loss(x.logps, x.values, x.returns, x.mask, ppo.Args(value_clip=0.2))[1]
+        theirs = verl_ns()["compute_value_loss"](x.logps, x.returns, x.values, x.mask, 0.2)[1].item()
+        o = ours["value_clip_frac"].item()
+        return o, theirs, abs(o - theirs), "verl's vf_clipfrac (its masked_mean adds 1e-8 to the token count)"
+
+    t.record("value clip fraction", "verl compute_value_loss", "cliprange_value 0.2", clip_fraction)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------------------------------
 def fmt(v: float) -> str:
@@ -1093,7 +1254,7 @@ def main() -> int:
     opts = parser.parse_args()
     torch.set_default_dtype(torch.float64)  # tensors the peers' code creates
     p, t = Peers(opts.mirrors), Table()
-    for run in (run_sapo, run_gmpo, run_dppo, run_cov, run_m2po):
+    for run in (run_sapo, run_gmpo, run_dppo, run_cov, run_m2po, run_critic):
         run(p, t)
     text = markdown(t, p, shlex.join(["python", "tools/compare_peers.py", *sys.argv[1:]]))
     print(text)
