@@ -194,9 +194,10 @@ def test_zero3_gives_the_same_update(micro, gradients, toy_assets, tmp_path):
 
 
 # The scripts with their own code under DeepSpeed: GRPO's sharded reference model, DAPO's and CISPO's generation
-# rounds and many updates per rollout, DARO's second optimizer, Clip-Cov's and M2PO's reductions over the mini-batch;
-# the others run the same scaffolding line for line (tests/test_shape.py).
-ZERO3_SCRIPTS = [s for s in SCRIPTS if s in ("grpo", "dapo", "cispo", "daro", "clip_cov", "m2po")]
+# rounds and many updates per rollout, DARO's second optimizer, Clip-Cov's and M2PO's reductions over the mini-batch,
+# ppo.py's critic (a second engine, saved and loaded with the first); the others run the same scaffolding line for
+# line (tests/test_shape.py; vapo.py's critic is ppo.py's).
+ZERO3_SCRIPTS = [s for s in SCRIPTS if s in ("grpo", "dapo", "cispo", "daro", "clip_cov", "m2po", "ppo")]
 
 
 @pytest.mark.slow
@@ -213,8 +214,14 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
         # wall-clock limit) cannot turn a correct answer into a timeout's 0, which can leave dapo.py's dynamic
         # sampling without an informative group and the run without an update
         **{"save-every": 2, "exp-name": "z3", "micro-batch-size": 16, "reward-workers": 0},
-        # GRPO with its sharded reference model; Dr. GRPO keeps truncated rewards (the toy never emits EOS)
-        **{"grpo": {"beta": 0.01}, "dr_grpo": {"truncated-reward": "keep"}}.get(script, {}),
+        # GRPO with its sharded reference model; Dr. GRPO keeps truncated rewards (the toy never emits EOS); ppo.py
+        # too, with 512 samples (at the toy's ~1.5% accuracy a correct one, and so a signal, is all but certain: the
+        # critic starts at V = 0, so without any reward nothing would move) and one critic step per rollout
+        **{
+            "grpo": {"beta": 0.01},
+            "dr_grpo": {"truncated-reward": "keep"},
+            "ppo": {"truncated-reward": "keep", "prompts-per-step": 32, "critic-num-mini-batches": 1},
+        }.get(script, {}),
     )
     cmd = [*launch_cmd(os.path.join(ROOT, f"{script}.py"), zero3=True), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -226,6 +233,9 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
     assert [r["step"] for r in rows] == [0, 1], rows
     timeouts = sum(r["train/reward_timeouts"] for r in rows)
     assert any(r["train/grad_norm"] > 0 for r in rows), f"no update ({timeouts} verifications timed out): {rows}"
+    if script == "ppo":  # the critic's engine trained and was saved beside the policy's
+        assert any(r["train/critic_grad_norm"] > 0 for r in rows)
+        assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_2", "state", "pytorch_model_1"))
     from safetensors.torch import load_file
 
     saved = load_file(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
@@ -263,7 +273,24 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
     for key in ("old_logps", "sampler_logps", "ref_logps"):
         batch[key] = -torch.rand(shape, generator=g) * 6
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
-    batch["advantages"] = mod.compute_advantages(rewards.cuda(), args)
+    critic = None
+    if hasattr(mod, "update_critic"):  # ppo.py, vapo.py: their critic's update runs under the same check
+        from common.critic import TokenValues
+
+        lm = AutoModelForCausalLM.from_pretrained(toy_assets["model"])
+        critic = TokenValues(lm.get_decoder(), lm.config.hidden_size)
+        torch.nn.init.normal_(critic.value_head.weight, std=0.3)
+        c_opt = torch.optim.SGD(critic.parameters(), lr=1e-3)
+        critic, c_opt, c_sched = accelerator.prepare(
+            critic, c_opt, torch.optim.lr_scheduler.LambdaLR(c_opt, lambda s: 1)
+        )
+        batch["old_values"] = torch.rand(shape, generator=g).cuda()
+        batch["advantages"], batch["returns"] = mod.compute_advantages(
+            rewards.cuda(), batch["old_values"], batch["mask"], args
+        )
+        batch["positive"] = (rewards > 0).float().cuda()
+    else:
+        batch["advantages"] = mod.compute_advantages(rewards.cuda(), args)
     normalizers, clip = mod.grad_normalizers, accelerator.clip_grad_norm_
 
     def then_strict(masks):
@@ -286,6 +313,8 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
     monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **kw: False)
     try:
         mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
+        if critic is not None:
+            mod.update_critic(critic, c_opt, c_sched, accelerator, batch, args, 0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -333,28 +333,42 @@ def test_defaults_are_the_papers():
 
 # end to end -----------------------------------------------------------------------------------------------------
 
+RESUME_FLAGS = {"exp-name": "a", "truncated-reward": "keep", "critic-warmup-steps": 3, "critic-learning-rate": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def runs(toy_assets, tmp_path_factory):
+    """ppo.py runs in one process (tests/script_runner.py): 4 steps; the same cut at 2; 2 steps with LoRA."""
+    from tests.test_scripts import ROOT, toy_flags
+
+    out = tmp_path_factory.mktemp("ppo_runs")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    lora = {"exp-name": "l", "truncated-reward": "keep", "lora-rank": 2, "learning-rate": 2e-2, "save-every": 1}
+    jobs = [
+        ("ppo", toy_flags(toy_assets, str(out / "full"), 4, **RESUME_FLAGS)),
+        ("ppo", toy_flags(toy_assets, str(out / "part"), 2, **RESUME_FLAGS)),
+        ("ppo", toy_flags(toy_assets, str(out / "lora"), 2, **lora)),
+    ]
+    proc, outcomes = run_scripts(jobs, str(out), env)
+    assert outcomes == [None] * 3, outcomes
+    return out, env
+
 
 @pytest.mark.slow
-def test_resume_restores_the_critic_exactly(toy_assets, tmp_path):
-    """4 steps against 2 + a resumed 2 (the three runs in one process): the value loss, the critic's gradient norm,
-    the explained variance and the policy's metrics agree, so the critic's weights, optimizer and scheduler came
-    back (the critic's lr warm-up is mid-way at step 2). A critic not restored starts from V = 0 again and moves
-    the value loss by far more than the tolerance."""
-    from tests.test_scripts import ROOT, read_metrics, toy_flags
+def test_resume_restores_the_critic_exactly(runs, toy_assets):
+    """4 steps against 2 + a resumed 2: the value loss, the critic's gradient norm, the explained variance and the
+    policy's metrics agree, so the critic's weights, optimizer and scheduler came back (the critic's lr warm-up is
+    mid-way at step 2). A critic not restored starts from V = 0 again and moves the value loss by far more than the
+    tolerance."""
+    from tests.test_scripts import read_metrics, toy_flags
 
-    flags = {"exp-name": "a", "truncated-reward": "keep", "critic-warmup-steps": 3, "critic-learning-rate": 1e-2}
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    out, env = runs
+    (run_dir,) = glob.glob(os.path.join(out, "part", "a__*"))
     proc, outcomes = run_scripts(
-        [("ppo", toy_flags(toy_assets, full, 4, **flags)), ("ppo", toy_flags(toy_assets, part, 2, **flags))],
-        str(tmp_path),
-        env,
+        [("ppo", toy_flags(toy_assets, str(out / "part"), 4, **RESUME_FLAGS, resume=run_dir))], str(out), env
     )
-    assert outcomes == [None, None], outcomes
-    (run_dir,) = glob.glob(os.path.join(part, "a__*"))
-    proc, outcomes = run_scripts([("ppo", toy_flags(toy_assets, part, 4, **flags, resume=run_dir))], str(tmp_path), env)
     assert outcomes == [None], outcomes
-    (full_dir,) = glob.glob(os.path.join(full, "a__*"))
+    (full_dir,) = glob.glob(os.path.join(out, "full", "a__*"))
     resumed, uninterrupted = read_metrics(run_dir), read_metrics(full_dir)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     keys = ("train/value_loss", "train/critic_grad_norm", "train/explained_variance", "train/value_mean")
@@ -363,3 +377,22 @@ def test_resume_restores_the_critic_exactly(toy_assets, tmp_path):
     for a, b in zip(resumed, uninterrupted):  # as tests/test_scripts.py's resume test: fp32 sums of O(1)
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (b["step"], key)
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_the_critics_adapters_and_saves_them(runs):
+    """--lora-rank 2: the critic trains (its LoRA adapters and head in the accelerate state, next to the policy's),
+    the policy's checkpoint holds PEFT's adapter and the merged model, as with every script."""
+    from safetensors.torch import load_file
+
+    from tests.test_scripts import read_metrics
+
+    out, _ = runs
+    (run_dir,) = glob.glob(os.path.join(out, "lora", "l__*"))
+    rows = read_metrics(run_dir)
+    assert all(r["train/critic_grad_norm"] > 0 for r in rows) and rows[-1]["train/value_mean"] != 0
+    step = os.path.join(run_dir, "checkpoints", "step_2")
+    assert os.path.exists(os.path.join(step, "adapter", "adapter_config.json"))
+    critic = load_file(os.path.join(step, "state", "model_1.safetensors"))
+    assert "value_head.weight" in critic and any("lora_B" in k for k in critic)
+    assert critic["value_head.weight"].abs().sum() > 0
