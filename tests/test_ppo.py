@@ -396,3 +396,43 @@ def test_a_lora_run_trains_the_critics_adapters_and_saves_them(runs):
     critic = load_file(os.path.join(step, "state", "model_1.safetensors"))
     assert "value_head.weight" in critic and any("lora_B" in k for k in critic)
     assert critic["value_head.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ({"critic_model_name_or_path": "/nonexistent/critic"}, "--critic-model-name-or-path: cannot load"),
+        ({"critic_model_name_or_path": "SMALL"}, "--critic-model-name-or-path: "),
+        ({"critic_num_mini_batches": 0}, "--critic-num-mini-batches must be in [1, 32]"),
+        ({"lam": 1.5}, "need 0 <= --gamma <= 1, 0 <= --lam <= 1"),
+        ({"value_clip": -0.1}, "--value-clip > 0"),
+    ],
+)
+def test_bad_critic_flags_are_one_line_and_write_nothing(flags, message, toy_assets, tmp_path):
+    """Refused before the run directory is written; "SMALL": a critic whose embedding has fewer rows than the
+    policy's tokenizer has ids (it could not read the policy's tokens)."""
+    import json
+
+    if flags.get("critic_model_name_or_path") == "SMALL":
+        with open(os.path.join(toy_assets["model"], "config.json")) as f:
+            config = json.load(f)
+        os.makedirs(tmp_path / "small")
+        with open(tmp_path / "small" / "config.json", "w") as f:
+            json.dump({**config, "vocab_size": 10}, f)
+        flags = {"critic_model_name_or_path": str(tmp_path / "small")}
+    args = ppo.Args(
+        model_name_or_path=toy_assets["model"],
+        dataset_name=toy_assets["train"],
+        prompt_column="question",
+        answer_column="answer",
+        prompt_template="none",
+        group_size=4,
+        prompts_per_step=8,
+        sampler="hf",
+        output_dir=str(tmp_path / "out"),
+        **flags,
+    )
+    with pytest.raises(SystemExit) as e:
+        ppo.main(args)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
