@@ -498,7 +498,8 @@ def main(args: Args) -> None:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     per_rank = args.prompts_per_step // world * args.group_size  # ALGO LOGIC: the critic's flags
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and (args.value_clip or 1) > 0):
+    clip_ok = args.value_clip is None or args.value_clip > 0
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and clip_ok):
         raise SystemExit("need 0 <= --gamma <= 1, 0 <= --lam <= 1 and --value-clip > 0 (or None)")
     if not 1 <= args.critic_num_mini_batches <= per_rank:
         raise SystemExit(f"--critic-num-mini-batches must be in [1, {per_rank}] (rows per rank)")

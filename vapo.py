@@ -23,11 +23,10 @@ What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's s
     L = -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1 - 0.2, 1 + 0.28) A)
         - mu / sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it)
 
-Why the critic gets 1.0 and the policy the smaller lambda (a note states them the other way round,
-the policy at 1.0 and the critic at 0.9; we follow the paper): with lambda < 1 the critic's target
-mixes in its own bootstrapped, biased values and the end-of-sequence reward decays on its way back
-through a long completion (VC-PPO's "reward signal decay"), so the critic regresses on unbiased
-Monte-Carlo returns; the policy's advantages can trade that bias for a lower variance.
+Why the critic gets 1.0 and the policy the smaller lambda (a note has them the other way round, the
+policy at 1.0, the critic at 0.9; we follow the paper): with lambda < 1 the critic's target mixes in
+its own biased bootstrapped values and the end reward decays on its way back through a long
+completion (VC-PPO's reward signal decay); the policy's advantages may trade bias for variance.
 
 Defaults. From the paper (§4.1): 50 warm-up steps, lambda_critic 1.0, alpha 0.05, Clip-Higher
 0.2 / 0.28, mu 0.1, 512 prompts x 16, mini-batches of 512 samples (16 updates per rollout, the
@@ -519,7 +518,8 @@ def main(args: Args) -> None:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     per_rank = args.prompts_per_step // world * args.group_size  # ALGO LOGIC: the critic's flags
-    if not (0 <= args.gamma <= 1 and 0 <= args.lam_critic <= 1 and (args.value_clip or 1) > 0):
+    clip_ok = args.value_clip is None or args.value_clip > 0
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam_critic <= 1 and clip_ok):
         raise SystemExit("need 0 <= --gamma, --lam-critic <= 1 and --value-clip > 0 (or None)")
     if not (args.lam_alpha > 0 and args.value_warmup_steps >= 0 and args.nll_coef >= 0):
         raise SystemExit("need --lam-alpha > 0, --value-warmup-steps >= 0 and --nll-coef >= 0")
