@@ -406,6 +406,7 @@ def test_a_lora_run_trains_the_critics_adapters_and_saves_them(runs):
         ({"critic_num_mini_batches": 0}, "--critic-num-mini-batches must be in [1, 32]"),
         ({"lam": 1.5}, "need 0 <= --gamma <= 1, 0 <= --lam <= 1"),
         ({"value_clip": -0.1}, "--value-clip > 0"),
+        ({"value_clip": 0.0}, "--value-clip > 0"),
     ],
 )
 def test_bad_critic_flags_are_one_line_and_write_nothing(flags, message, toy_assets, tmp_path):
