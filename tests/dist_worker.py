@@ -164,8 +164,9 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
 
 def critic_job(accelerator, model_dir: str, args, n: int):
     """The critic of a job: the model's decoder with a head drawn at random (its zero start would leave the decoder
-    without a gradient), its values of the whole rollout (every rank the same, before any update), SGD(lr=1) and a
-    constant schedule, prepared. Returns (critic, values [n, C], optimizer, scheduler)."""
+    without a gradient), SGD(lr=1) and a constant schedule, prepared; then its values of the whole rollout (every rank
+    all of it, before any update: under ZeRO-3 the model is partitioned from the start, so through its engine).
+    Returns (critic, values [n, C], optimizer, scheduler)."""
     from transformers import AutoModelForCausalLM
 
     from common.batching import micro_batches
@@ -174,13 +175,13 @@ def critic_job(accelerator, model_dir: str, args, n: int):
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     critic = TokenValues(lm.get_decoder(), lm.config.hidden_size)
     torch.nn.init.normal_(critic.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(2))
-    full = fixed_rollout(slice(None), n)[0]
-    with torch.no_grad():
-        values = compute_values(critic, full, micro_batches(list(range(n)), full["lens"], args)).double()
     args.critic_num_mini_batches, args.critic_max_grad_norm = 1, 1e9
     optimizer = torch.optim.SGD(critic.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     critic, optimizer, scheduler = accelerator.prepare(critic, optimizer, scheduler)
+    full = fixed_rollout(slice(None), n)[0]
+    with torch.no_grad():
+        values = compute_values(critic, full, micro_batches(list(range(n)), full["lens"], args)).double()
     return critic, values, optimizer, scheduler
 
 
