@@ -251,12 +251,14 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # than the nearly untrained one of steps 0-9 (1280 samples). Means over long windows, not one trajectory's
     # end: the same seed follows another trajectory where matmul kernels round differently, and 20-step windows
     # of one run swing by 0.2 (lite_ppo, seed 1: 0.37 at steps 90-99, 0.17 at 130-149). Measured with these
-    # flags (OMP_NUM_THREADS=2, all twelve scripts, seeds 1-4: 48 runs; docs/tests.md has the commands): rise
-    # 0.129-0.441. Many runs stop on a plateau at 0.13-0.16, where each prompt is answered the same way in all its
-    # samples and no group has signal left; the seed decides that more than the script (seed 4: ten of the twelve
-    # at 0.144-0.153). Without learning (--learning-rate 0, the twelve, seed 1) the rise is -0.004 to -0.001, and
-    # a broken update drives the accuracy to 0 (grpo with the advantage's sign flipped: 0.009 -> 0.001). A rise
-    # of 0.05 sits 0.08 below the lowest learning run and over ten times the no-learning runs' largest |rise|.
+    # flags (OMP_NUM_THREADS=2, the twelve critic-free scripts, seeds 1-4: 48 runs; docs/tests.md has the
+    # commands): rise 0.129-0.441; ppo.py 0.131-0.328 and vapo.py 0.134-0.166 (seeds 1-4). Many runs stop on a
+    # plateau at 0.13-0.16, where each prompt is answered the same way in all its samples and no group has signal
+    # left; the seed decides that more than the script (seed 4: ten of the twelve at 0.144-0.153). Without
+    # learning (--learning-rate 0, seed 1) the rise is -0.004 to -0.001, and a broken update drives the accuracy
+    # to 0 (grpo with the advantage's sign flipped: 0.009 -> 0.001; ppo: -0.010; vapo, whose LM loss on correct
+    # completions still pulls: +0.008). A rise of 0.05 sits 0.08 below the lowest learning run and over ten
+    # times the no-learning runs' largest |rise|.
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from learning_rise import rise  # the same measure for runs outside the suite
 
