@@ -174,7 +174,9 @@ def critic_job(accelerator, model_dir: str, args, n: int):
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     critic = TokenValues(lm.get_decoder(), lm.config.hidden_size)
-    torch.nn.init.normal_(critic.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(2))
+    head = torch.randn(critic.value_head.weight.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():  # drawn in fp64 whatever the head's dtype (fp32 when ZeRO-3 loads the decoder)
+        critic.value_head.weight.copy_(0.3 * head)
     args.critic_num_mini_batches, args.critic_max_grad_norm = 1, 1e9
     optimizer = torch.optim.SGD(critic.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
