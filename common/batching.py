@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.args import SharedArgs
+
 # the per-row tensors of a batch that hold one value per completion token ([N, C]); micro_batch cuts their padding
 TOKEN_KEYS = ("mask", "old_logps", "ref_logps", "sampler_logps")
 
@@ -59,7 +61,7 @@ def pad_logprobs(logprobs: list[list[float] | None], width: int) -> Tensor:
     return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
 
 
-def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tuple[list[int], int, int]]:
+def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: SharedArgs) -> list[tuple[list[int], int, int]]:
     """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
     lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order
@@ -83,11 +85,12 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tu
 
 def micro_batch(batch: dict, rows: list[int], p_w: int, c_w: int) -> dict:
     """Rows `rows` of the batch, with the padding beyond the widths removed: input columns [p_len - p_w, p_len + c_w)
-    and completion columns [0, c_w). Also holds `rows` as an index tensor, and any other per-row tensor of the batch
-    (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token selection, is cut like it)."""
+    and completion columns [0, c_w), so its `p_len` is p_w. Also holds `rows` as an index tensor, and any other
+    per-row tensor of the batch (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token
+    selection, is cut like it)."""
     idx = torch.tensor(rows, device=batch["ids"].device)
     p_len = batch["p_len"]
-    out = {"rows": idx}
+    out = {"rows": idx, "p_len": p_w}
     for k, v in batch.items():
         if k in TOKEN_KEYS or (isinstance(v, Tensor) and k not in ("ids", "attn") and v.shape == batch["mask"].shape):
             out[k] = v[idx, :c_w]

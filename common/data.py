@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.args import SharedArgs
 from common.data_strategies import (
     Demonstration,
     PromptTracker,
@@ -132,7 +133,7 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
     return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
 
 
-def encode_prompts(questions, answers, tokenizer, args, flag: str, log=print):
+def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, log=print):
     """Tokenised prompts (in --prompt-template) and their answers; prompts over --max-prompt-tokens and
     unparseable answers dropped and counted (refused when more than --max-bad-answer-frac cannot be parsed)."""
     bad = set(find_unparseable_gold(answers))
@@ -192,9 +193,9 @@ class TrainData:
     """The training prompts (token ids) and reference answers, the position in their stream, and the data
     strategies' state: the pass-rate tracker (identical on every rank), this rank's replay buffer, the worked
     solutions (training row -> --solution-column text) and the demonstrations built from them. The strategies read
-    their flags from `args`, the script's Args."""
+    their flags from `args`."""
 
-    args: Any
+    args: SharedArgs
     prompts: list[list[int]]
     golds: list[str]
     tokenizer: Any
@@ -330,7 +331,7 @@ class TrainData:
             self.pending.append({k: p[k] for k in ("step", "rows", "policy")} | {"future": _done(completions)})
 
 
-def check_data_args(args) -> None:
+def check_data_args(args: SharedArgs) -> None:
     """One-line SystemExit for bad data-strategy flags (before anything is written)."""
     if args.replay and (args.replay_buffer_size < 1 or args.replay_max_age < 1):
         raise SystemExit(
@@ -348,7 +349,7 @@ def check_data_args(args) -> None:
         raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
 
 
-def load_data(args, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
+def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
     """The training data (None with --total-steps 0: an evaluation-only run reads none) and the evaluation sets
     ({name: (prompt ids, golds)}, empty without --eval-every). `log` (the main process's print) gets one line for each
     setting that quietly does less than it seems to."""

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from common.args import SharedArgs
 from common.sampling import Completion
 
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
@@ -207,7 +208,7 @@ class TrainGroups:
 
 
 def inject_and_replay(
-    args, buffer: ReplayBuffer, demo, pass_rate, rows, prompts, completions, correct, step: int, keep=None
+    args: SharedArgs, buffer: ReplayBuffer, demo, pass_rate, rows, prompts, completions, correct, step: int, keep=None
 ) -> TrainGroups:
     """The groups to train on. rows/prompts: one per group; completions/correct: per completion; keep: the groups
     trained on, in order (default all; dapo/cispo's kept groups); demo(row): the row's verified Demonstration or

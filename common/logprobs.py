@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from common.args import SharedArgs
+
 KERNELS = ("torch", "triton")
 
 
@@ -260,7 +262,7 @@ class LogprobCanary:
         return {k: v.to(dtype) for k, v in stats.items()}
 
 
-def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
+def rollout_correction(old_logps, rollout_logps, mask, args: SharedArgs, num_tokens=None):
     """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
     term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (--rollout-correction token-*) or
     exp(the sum of that log-ratio over the sequence's tokens) per sequence (sequence-*), capped at

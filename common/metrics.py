@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from common.args import SharedArgs
 from common.reward import extract_final_answer, score
 
 REFLECTION_WORDS = (
@@ -188,7 +189,7 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
     return float(np.mean([score[a] for a in tied]))
 
 
-def evaluate(sampler, eval_sets, args) -> dict[str, float]:
+def evaluate(sampler, eval_sets, args: SharedArgs) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k =
     --eval-samples per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
     --eval-max-new-tokens, the final answer read in the run's resolved --reward-format."""
