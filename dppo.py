@@ -22,8 +22,9 @@ are refused); rows the sampler did not produce (--gt-injection, --replay) take m
 --top-p < 1 the sampler's log-probs are renormalised over the nucleus: p_mu is inflated and the
 masks see a systematic divergence (keep top_p = 1).
 
-Defaults from the authors' verl script (PR #5397 examples/dppo_trainer/run_qwen30b_dppo.sh, now
-run_qwen3_30b_a3b_megatron.sh): mu = the rollout policy ("bypass mode", §5.2), delta 0.15 for TV
+Defaults from the authors' verl script, examples/dppo_trainer/run_qwen30b_dppo.sh as PR #5397 added
+it (verl 182383bb; b8d91ef8 fixed its loss scale): mu = the rollout policy (bypass_mode=True, §5.2;
+the later run_qwen3_30b_a3b_megatron.sh has no bypass setting), delta 0.15 for TV
 (0.05 for KL), C off (1e4 there), no KL, seq-mean-token-sum-norm (L_max = --max-new-tokens),
 DAPO-Math-17k (as dapo.py loads it), G=16, 256 prompts per step in 8 mini-batches, 8192 new tokens,
 lr 1e-6; delta and C as the paper's App. C.1 (its scaling runs, App. E: delta_TV 0.2 and C = 5,
@@ -67,7 +68,7 @@ from common.run import (
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the authors' verl script (the docstring); grpo.py's evaluation
+    # the authors' verl script run_qwen30b_dppo.sh (the docstring); grpo.py's evaluation
     model_name_or_path: str = "Qwen/Qwen3-8B-Base"  # the paper's 30B-A3B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, as dapo.py loads it
     dataset_config: str | None = "en"
