@@ -373,9 +373,9 @@ class WithoutAdapters(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *inputs, **kwargs):
         with self.policy.lm.disable_adapter():
-            return self.policy(*args, **kwargs)
+            return self.policy(*inputs, **kwargs)
 
 
 def load_reference(args: SharedArgs, accelerator, policy):
