@@ -11,7 +11,10 @@ d(hidden) and d(weight). Peak extra memory is one chunk x vocab in fp32 instead 
 With kernel="triton" (GPU) the forward is instead one fused Triton kernel (common/triton_logprobs.py) that
 never holds more than a tile of logits; the backward is the same chunked recompute.
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
-drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
+drew from; accumulation is fp32 whatever the model dtype. Under autocast the three GEMMs (h W^T, dlogits W,
+dlogits^T h) take the autocast dtype in the forward and the backward (fp32 accumulation inside the GEMM, the
+softmax in fp32); fp32 and fp64 inputs without autocast multiply in their own dtype. Entropy is returned for
+logging, without gradient.
 What a model's own forward does to its logits after the output layer is applied too (`LogitTransform`): a scale
 (Cohere's `logit_scale`, Granite's `logits_scaling`) and Gemma's soft cap c tanh(z / c); a model with any other
 head (a bias, several heads) is refused in one line instead of being trained on the wrong log-probs.
@@ -71,6 +74,14 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _gemm_dtype(x: Tensor) -> torch.dtype:
+    """The GEMMs' dtype: autocast's under autocast (as `x @ w.T` would be), else x's own; fp64 is never lowered."""
+    device = x.device.type
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 def _check_kernel(kernel: str) -> None:
     """Rejects unknown kernels, and kernel="triton" without triton installed, before any work is done."""
     if kernel not in KERNELS:
@@ -90,12 +101,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, kernel: str, transform):
+        # Under autocast the GEMMs take its dtype, here and in the backward; otherwise h and w are the inputs.
+        dtype = _gemm_dtype(hidden)
+        h, w = hidden.to(dtype), weight.to(dtype)
         if kernel == "triton":  # fused forward; the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
-            h, w, dev = hidden, weight, hidden.device.type
-            if torch.is_autocast_enabled(dev):  # multiply in the autocast dtype, as `hidden @ weight.T` would
-                h, w = (hidden.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev)))
             logps, entropy, lse = fused_logprobs_forward(h, w, targets, temperature)
         else:
             n, acc = hidden.shape[0], _acc_dtype(hidden)
@@ -104,23 +115,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse = torch.empty(n, dtype=acc, device=hidden.device)
             for s in range(0, n, chunk_size):
                 # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
-                logits = transform((hidden[s : s + chunk_size] @ weight.T).to(acc)).div_(temperature)
+                logits = transform((h[s : s + chunk_size] @ w.T).to(acc)).div_(temperature)
                 lse_c = torch.logsumexp(logits, dim=-1)
                 logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
                 logp_all = logits.sub_(lse_c[:, None])
                 entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
                 lse[s : s + chunk_size] = lse_c
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(h, w, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.transform = temperature, chunk_size, transform
+        ctx.dtypes = hidden.dtype, weight.dtype  # the gradients'
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors  # in the GEMMs' dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
         acc = _acc_dtype(hidden)
+        grad_h = torch.empty(hidden.shape, dtype=ctx.dtypes[0], device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_logps = grad_logps.to(acc)
         for s in range(0, hidden.shape[0], ctx.chunk_size):
@@ -131,12 +143,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
             d_logits = logits.div_(ctx.temperature).sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
             d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
-            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z)
+            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z).to(weight.dtype)
             if need_h:
-                grad_h[s : s + ctx.chunk_size] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(d_logits.T, h.to(acc))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+                grad_h[s : s + ctx.chunk_size] = d_logits @ weight
+            if need_w and weight.dtype == acc:
+                grad_w.addmm_(d_logits.T, h)
+            elif need_w:  # a half-precision GEMM, its [V, H] result summed over chunks in fp32
+                grad_w += d_logits.T @ h
+        grad_w = grad_w.to(ctx.dtypes[1]) if need_w else None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_logprobs(
