@@ -14,7 +14,8 @@ Logits are divided by the sampling temperature before the log-softmax, so log-pr
 drew from; accumulation is fp32 whatever the model dtype. Under autocast the three GEMMs (h W^T, dlogits W,
 dlogits^T h) take the autocast dtype in the forward and the backward (fp32 accumulation inside the GEMM, the
 softmax in fp32); fp32 and fp64 inputs without autocast multiply in their own dtype. Entropy is returned for
-logging, without gradient.
+logging, without gradient. `weights_cast_once` keeps one half-precision copy of each weight for all micro-batches
+of an optimizer step.
 What a model's own forward does to its logits after the output layer is applied too (`LogitTransform`): a scale
 (Cohere's `logit_scale`, Granite's `logits_scaling`) and Gemma's soft cap c tanh(z / c); a model with any other
 head (a bias, several heads) is refused in one line instead of being trained on the wrong log-probs.
@@ -24,7 +25,9 @@ No function here reads a tensor value on the host, so none of them syncs with th
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +85,41 @@ def _gemm_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+# (id, dtype) -> (weight, its cast), while `weights_cast_once` is open; None outside it
+_CASTS: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] | None = None
+
+
+def _cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`weight` in `dtype`: cast once per `weights_cast_once` block, else once per call."""
+    if weight.dtype == dtype:
+        return weight
+    if _CASTS is None:
+        return weight.detach().to(dtype)
+    key = (id(weight), dtype)
+    if key not in _CASTS:  # the weight itself is kept too, so its id cannot be reused while the block is open
+        _CASTS[key] = (weight, weight.detach().to(dtype))
+    return _CASTS[key][1]
+
+
+@contextlib.contextmanager
+def weights_cast_once() -> Iterator[None]:
+    """Around the micro-batches of one optimizer step (never around `optimizer.step()`, which would leave the casts
+    stale): each fp32 weight is cast to the autocast dtype once instead of once per micro-batch; values and gradients
+    are unchanged. Torch caches autocast's casts of leaf weights until the outermost autocast block exits (each
+    forward's own, under accelerate); this holds one nesting level open without touching autocast's state, and keeps
+    `chunked_logprobs`' cast of the output layer alike."""
+    global _CASTS
+    outer = _CASTS
+    _CASTS = {} if outer is None else outer
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        _CASTS = outer
+
+
 def _check_kernel(kernel: str) -> None:
     """Rejects unknown kernels, and kernel="triton" without triton installed, before any work is done."""
     if kernel not in KERNELS:
@@ -103,7 +141,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, kernel: str, transform):
         # Under autocast the GEMMs take its dtype, here and in the backward; otherwise h and w are the inputs.
         dtype = _gemm_dtype(hidden)
-        h, w = hidden.to(dtype), weight.to(dtype)
+        h, w = hidden.to(dtype), _cast(weight, dtype)
         if kernel == "triton":  # fused forward; the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
@@ -231,13 +269,15 @@ class TokenLogProbs(nn.Module):
 
 def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> Tensor:
     """Per-token log-probs [N, C] of a whole rollout `batch` under `policy` at `temperature`, without gradient, one
-    micro-batch of `plan` (common.batching.micro_batches) at a time (zeros past each micro-batch's width)."""
+    micro-batch of `plan` (common.batching.micro_batches) at a time (zeros past each micro-batch's width), each weight
+    cast once for all of them."""
     from common.batching import micro_batch
 
     logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    for rows, p_w, c_w in plan:
-        mb = micro_batch(batch, rows, p_w, c_w)
-        logps[mb["rows"], :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
+    with weights_cast_once():
+        for rows, p_w, c_w in plan:
+            mb = micro_batch(batch, rows, p_w, c_w)
+            logps[mb["rows"], :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
     return logps
 
 
