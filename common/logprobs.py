@@ -235,14 +235,19 @@ class TokenLogProbs(nn.Module):
     every parameter partitioned in tests/test_distributed.py). Save the LM with `unwrap_model(wrapper).lm
     .save_pretrained(dir, state_dict=...)`, the state dict from `accelerator.get_state_dict(wrapper)` with the
     "lm." prefix removed: under FSDP / ZeRO-3 the module's own tensors are shards.
+    padding_free: the decoder sees the rows' tokens back to back as one sequence, positions restarting at 0 in each
+    row and no attention mask, from which transformers attends within each row (flash-attn's varlen kernel, or a
+    block-diagonal mask for sdpa / eager); only the completion tokens reach the output layer. Same log-probs and
+    gradient on those tokens; 0 on padding. It reads the micro-batch's token count on the host once per forward.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch"):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch", padding_free: bool = False):
         super().__init__()
         _check_kernel(kernel)
         self.lm = lm
         self.chunk_size = chunk_size
         self.kernel = kernel
+        self.padding_free = padding_free
         self.transform = LogitTransform.of(lm.config)
         head = lm.get_output_embeddings()
         if not isinstance(getattr(head, "weight", None), Tensor) or getattr(head, "bias", None) is not None:
@@ -258,6 +263,8 @@ class TokenLogProbs(nn.Module):
         right-padded completions. Returns (logps, entropy), each [B, L - completion_start]: entry t is
         token `completion_start + t` given everything before it."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.padding_free:
+            return self._packed(input_ids, attention_mask.bool(), position_ids, completion_start, temperature)
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
@@ -265,6 +272,22 @@ class TokenLogProbs(nn.Module):
         targets = input_ids[:, completion_start:]
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size, self.kernel, self.transform)
+
+    def _packed(self, input_ids, keep, position_ids, completion_start, temperature) -> tuple[Tensor, Tensor]:
+        """forward() with padding_free: a row's tokens are contiguous (prompt left-padded, completion right-padded)."""
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids[keep][None], position_ids=position_ids[keep][None], use_cache=False
+        ).last_hidden_state[0]
+        place = keep.flatten().cumsum(0).view(keep.shape) - 1  # each kept token's index in the packed sequence
+        scored = keep[:, completion_start:]  # completion tokens, each predicted from the kept token before it
+        before = place[:, completion_start - 1 : -1][scored]
+        targets = input_ids[:, completion_start:][scored]
+        weight = self.lm.get_output_embeddings().weight
+        logps, entropy = chunked_logprobs(
+            hidden[before], weight, targets, temperature, self.chunk_size, self.kernel, self.transform
+        )
+        zeros = torch.zeros(scored.shape, dtype=logps.dtype, device=logps.device)
+        return zeros.masked_scatter(scored, logps), zeros.masked_scatter(scored, entropy)
 
 
 def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> Tensor:

@@ -69,20 +69,25 @@ def autocast_inputs(seed=3, n=37, hid=48, vocab=301):
 
 
 def logprobs_and_grads(h, w, t, upstream, temperature=0.7, chunk=16, kernel="torch", autocast=None):
-    """(logps, entropy, d hidden, d weight) of chunked_logprobs, under CPU autocast to `autocast` if given."""
+    """(logps, entropy, d hidden, d weight) of chunked_logprobs, under autocast to `autocast` if given."""
     h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    ctx = torch.autocast(h.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
     with ctx:
         lp, ent = chunked_logprobs(h, w, t, temperature, chunk, kernel)
     return (lp, ent, *torch.autograd.grad((lp * upstream).sum(), (h, w)))
 
 
-def test_autocast_gradients_are_the_fp32_ones_within_bf16_rounding():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_autocast_gradients_are_the_fp32_ones_within_bf16_rounding(device, monkeypatch):
     """Under bf16 autocast (fp32 weights, as the scripts train on CUDA) the GEMMs of the forward and the backward run
     in bf16: log-probs, entropy and both gradients are within the bf16 path's rounding-error bound plus the fp32
     path's of the fp32 results, and within the former of the float64 ones (tests/fp_bounds.py: h and w rounded to
     bf16, logits, d logits and each chunk's products stored in bf16, fp32 sums); they come back in fp32."""
-    h, w, t, upstream = autocast_inputs()
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # the bound assumes fp32 sums; cuBLAS may otherwise add split-K partial sums in bf16
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    h, w, t, upstream = (x.to(device) for x in autocast_inputs())
     fp32 = logprobs_and_grads(h, w, t, upstream)
     bf16 = logprobs_and_grads(h, w, t, upstream, autocast=torch.bfloat16)
     hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
