@@ -1,7 +1,8 @@
 """Optional speed-ups of the trainer's model, each off by default: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE,
-torch.compile of the decoder layers, and flash-attn for padding-free micro-batches (`TokenLogProbs(padding_free=True)`).
-Each changes how the model computes, not what (tests/test_fast_paths.py), and refuses in one line where it cannot work.
-Apply them to the Hugging Face model before LoRA adapters and before `accelerator.prepare`.
+torch.compile of the decoder layers, and a varlen attention for padding-free micro-batches
+(`TokenLogProbs(padding_free=True)`). Each changes how the model computes, not what (tests/test_fast_paths.py); Liger
+and compile refuse in one line where they cannot work. Apply them to the Hugging Face model before LoRA adapters and
+before `accelerator.prepare`.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ def compile_decoder_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
-def padding_free_attention(model: nn.Module, device: torch.device | str) -> None:
-    """The attention for padding-free micro-batches: on CUDA flash-attn's varlen kernel (attn_implementation
-    "flash_attention_2"), refused in one line without flash-attn, where sdpa would run the packed rows as one sequence
-    with a block-diagonal mask, quadratic in the micro-batch's tokens; on a CPU the model's own (sdpa or eager, with
-    that mask: what the tests compare)."""
-    if torch.device(device).type != "cuda":
-        return
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        raise SystemExit("--padding-free on a GPU needs flash-attn (pip install flash-attn): drop the flag") from None
-    model.set_attn_implementation("flash_attention_2")
+def padding_free_attention(model: nn.Module, device: torch.device | str) -> str:
+    """Sets and returns the attention for padding-free micro-batches. On CUDA: flash-attn's varlen kernel
+    ("flash_attention_2") when flash-attn is installed, else torch's flex attention ("flex_attention", compiled on first
+    use), which skips the blocks the packed rows' block-diagonal mask excludes; sdpa would compute them all, quadratic
+    in the micro-batch's tokens. On a CPU the model's own (sdpa or eager, with that mask: what the tests compare)."""
+    if torch.device(device).type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            model.set_attn_implementation("flash_attention_2")
+        except ImportError:
+            model.set_attn_implementation("flex_attention")
+    return model.config._attn_implementation

@@ -235,11 +235,9 @@ def test_the_speed_flags_refuse_in_one_line_where_they_cannot_work(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # as if not installed
     with pytest.raises(SystemExit, match="--liger-kernel needs liger-kernel: pip install liger-kernel"):
         use_liger_kernels(model, "cuda")
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    with pytest.raises(SystemExit, match="--padding-free on a GPU needs flash-attn"):
-        padding_free_attention(model, "cuda")
-    padding_free_attention(model, "cpu")  # sdpa with the block-diagonal mask: nothing to change
-    assert model.config._attn_implementation == "sdpa"
+    assert padding_free_attention(model, "cpu") == "sdpa"  # with the block-diagonal mask: nothing to change
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # on CUDA without flash-attn: torch's flex attention
+    assert padding_free_attention(model, "cuda") == "flex_attention"
     with pytest.raises(SystemExit, match="--torch-compile: .* has no decoder `layers`"):
         compile_decoder_layers(SimpleNamespace(get_decoder=lambda: torch.nn.Linear(2, 2), __class__=object))
 
@@ -284,13 +282,17 @@ def test_liger_kernels_on_cuda_give_the_same_log_probs_and_gradient(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_padding_free_with_flash_attention_on_cuda_gives_the_padded_result():
-    """flash-attn's varlen kernel on the packed rows (padding_free_attention) against sdpa on the padded batch."""
-    pytest.importorskip("flash_attn")
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(attention, monkeypatch):
+    """flash-attn's varlen kernel, or torch's flex attention without flash-attn, on the packed rows
+    (padding_free_attention) against sdpa on the padded batch."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
     model = test_families.tiny("qwen2").float().cuda().train()
     want_lp, want = cuda_step(model)
-    padding_free_attention(model, "cuda")
-    assert model.config._attn_implementation == "flash_attention_2"
+    assert padding_free_attention(model, "cuda") == attention
     got_lp, got = cuda_step(model, padding_free=True)
     assert_bf16_close(got_lp, want_lp, "logps")
     for name in want:
