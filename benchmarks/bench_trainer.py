@@ -85,7 +85,10 @@ def peak_flops(device) -> tuple[str, float | None]:
     import torch
 
     if device.type != "cuda":
-        return platform.processor() or platform.machine(), None
+        with contextlib.suppress(OSError):  # Linux: the CPU's model name
+            with open("/proc/cpuinfo") as f:
+                return "CPU " + next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+        return f"CPU {platform.machine()}", None
     name = torch.cuda.get_device_name(device)
     return name, next((flops for key, flops in PEAK_BF16 if key in name), None)
 
