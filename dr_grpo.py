@@ -48,7 +48,7 @@ import tyro
 from common.args import SharedArgs
 from common.batching import grad_normalizers, make_batch, micro_batch, micro_batches
 from common.data import load_data
-from common.logprobs import LogprobCanary, compute_logps, rollout_correction
+from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
 from common.reward import score
 from common.run import (
@@ -162,22 +162,24 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            for j, m in enumerate(micro):
-                last = j == len(micro) - 1
-                accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last one only
-                with contextlib.nullcontext() if last else accelerator.no_sync(policy):
-                    logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                    # pi_old not stored (one on-policy update): pi_old = pi, so the ratio is 1
-                    old = m.get("old_logps", logps.detach())
-                    extra = dict(ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"))
-                    loss, mb_stats = compute_policy_loss(
-                        logps, old, m["advantages"], m["mask"], args, num_tokens, num_seqs, **extra
-                    )
-                    accelerator.backward(loss)
-                mb_stats.update(loss=loss, entropy=(entropy * m["mask"]).sum() / num_tokens)
-                add_stats(stats, mb_stats, 1 / updates)
-                if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
-                    canary.add(logps, m["sampler_logps"], m["mask"])
+            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+                for j, m in enumerate(micro):
+                    last = j == len(micro) - 1
+                    accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
+                    with contextlib.nullcontext() if last else accelerator.no_sync(policy):
+                        logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
+                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        old = m.get("old_logps", logps.detach())
+                        adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
+                        extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
+                        loss, mb_stats = compute_policy_loss(
+                            logps, old, adv, mask, args, num_tokens, num_seqs, **extra
+                        )
+                        accelerator.backward(loss)
+                    mb_stats.update(loss=loss, entropy=(entropy * mask).sum() / num_tokens)
+                    add_stats(stats, mb_stats, 1 / updates)
+                    if "sampler_logps" in m and epoch == 0 and mb == 0:  # sampler = our weights
+                        canary.add(logps, m["sampler_logps"], mask)
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             # under DeepSpeed a float, or None
             norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)

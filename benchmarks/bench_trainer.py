@@ -319,7 +319,7 @@ def computed_tokens(side: str, batch) -> int:
         return ROWS * (batch["p_len"] + max(c for _, c in lens))
     if side == "ours-padding-free":
         return sum(p + c for p, c in lens)
-    args = SimpleNamespace(micro_batch_size=256, micro_batch_tokens=8192)
+    args = SimpleNamespace(micro_batch_size=256, micro_batch_tokens=8192, padding_free=False)
     return sum(len(rows) * (p_w + c_w) for rows, p_w, c_w in micro_batches(list(range(ROWS)), lens, args))
 
 

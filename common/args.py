@@ -152,6 +152,13 @@ class SharedArgs:
     """tokens per chunk when turning hidden states into log-probs (bounds a tokens x vocab array)"""
     logprob_kernel: Literal["torch", "triton"] = "torch"
     """torch: chunked matmul + log-softmax; triton: fused output-layer forward (GPU)"""
+    padding_free: bool = False
+    """pack each micro-batch's rows into one sequence without padding (flash-attn, else flex attention,
+    on CUDA); --micro-batch-tokens then counts real tokens (docs/gpu.md)"""
+    liger_kernel: bool = False
+    """Liger-Kernel's fused RMSNorm, SwiGLU and RoPE in the model (CUDA; pip install liger-kernel)"""
+    torch_compile: bool = False
+    """torch.compile each decoder layer (dynamic shapes)"""
     max_bad_steps: int = 5
     """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
     rollout_correction: Literal[

@@ -66,9 +66,8 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: SharedArgs
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
     lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order
     (--micro-batch-tokens 0), or longest completion first, as many rows as fit in --micro-batch-tokens padded tokens
-    (at most --micro-batch-size); with --padding-free (`args.padding_free`), tokens without the padding."""
+    (at most --micro-batch-size); with --padding-free, tokens without the padding."""
     max_rows, max_tokens = args.micro_batch_size, args.micro_batch_tokens
-    padding_free = getattr(args, "padding_free", False)
     if max_tokens <= 0:
         groups = [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
     else:
@@ -76,7 +75,7 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: SharedArgs
         for r in sorted(rows, key=lambda r: -lens[r][1]):
             w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
             n = len(groups[-1]) + 1 if groups else 0
-            cost = tokens + sum(lens[r]) if padding_free else n * sum(w)
+            cost = tokens + sum(lens[r]) if args.padding_free else n * sum(w)
             if not groups or n > max_rows or cost > max_tokens:
                 groups.append([])
                 w, cost = lens[r], sum(lens[r])

@@ -37,6 +37,7 @@ import torch
 
 from common.args import SharedArgs
 from common.data import check_data_args
+from common.kernels import compile_decoder_layers, padding_free_attention, use_liger_kernels
 from common.logprobs import TokenLogProbs
 from common.metrics import log_samples
 from common.reward import answer_format_for, set_workers
@@ -195,10 +196,23 @@ def load_model(args: SharedArgs):
     model.config.use_cache = False
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    speed_paths(args, model)
     max_model_len(args, model)  # refused now, before the run directory is written
     if args.lora_rank > 0:
         model = add_lora(model, args)
     return tokenizer, model
+
+
+def speed_paths(args: SharedArgs, model) -> None:
+    """--padding-free's varlen attention, --liger-kernel, --torch-compile (common/kernels.py), before LoRA and
+    accelerate wrap the model: how it computes, not what."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.padding_free:
+        padding_free_attention(model, device)
+    if args.liger_kernel:
+        use_liger_kernels(model, device)
+    if args.torch_compile:
+        compile_decoder_layers(model)
 
 
 def max_model_len(args: SharedArgs, model) -> int:
@@ -351,7 +365,9 @@ def prepare_training(args: SharedArgs, model, accelerator):
     DeepSpeed's engine clips and steps with our values, not its config's)."""
     from accelerate.utils import DistributedType
 
-    policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
+    policy = TokenLogProbs(
+        model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -390,7 +406,9 @@ def load_reference(args: SharedArgs, accelerator, policy):
 
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     model = model.eval().requires_grad_(False)
-    ref = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel).to(accelerator.device)
+    speed_paths(args, model)
+    kw = dict(chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free)
+    ref = TokenLogProbs(model, **kw).to(accelerator.device)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
 

@@ -157,7 +157,8 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
     lens = [(int(p), int(c)) for p, c in zip(prompts, completions)]
     rows = torch.randperm(200, generator=g).tolist()[:150]
     for tokens, cap in [(1000, 256), (1000, 3), (8192, 256), (200, 256), (0, 7)]:
-        plan = mod.micro_batches(rows, lens, SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens))
+        budget = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=False)
+        plan = mod.micro_batches(rows, lens, budget)
         assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
         for group, p_w, c_w in plan:
             assert (p_w, c_w) == (max(lens[r][0] for r in group), max(lens[r][1] for r in group))

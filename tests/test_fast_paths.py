@@ -217,7 +217,8 @@ def test_padding_free_micro_batches_count_tokens_without_padding():
     ]
     rows = torch.randperm(200, generator=g).tolist()[:150]
     for tokens, cap in [(1000, 256), (1000, 3), (200, 256)]:
-        padded = micro_batches(rows, lens, SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens))
+        budget = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=False)
+        padded = micro_batches(rows, lens, budget)
         args = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=True)
         plan = micro_batches(rows, lens, args)
         assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
@@ -297,3 +298,37 @@ def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(at
     assert_bf16_close(got_lp, want_lp, "logps")
     for name in want:
         assert_bf16_close(got[name], want[name], name)
+
+
+def test_padding_free_flag_runs_a_script_with_the_same_updates(toy_assets, tmp_path, monkeypatch):
+    """`--padding-free` reaches the policy and the micro-batch plan (common/run.py): grpo.py with and without it logs
+    the same losses, gradient norms and log-probs to rounding (fp32, sdpa's packed-sequence mask on a CPU)."""
+    import json
+    import os
+
+    import tyro
+
+    import grpo
+    from tests.test_scripts import toy_flags
+
+    def run(*extra):
+        out = str(tmp_path / ("pf" if extra else "padded"))
+        flags = toy_flags(toy_assets, out, 3, beta=0.04, **{"num-mini-batches": 2, "prompts-per-step": 16})
+        grpo.main(tyro.cli(grpo.Args, args=[*flags, *extra]))
+        (run_dir,) = [os.path.join(out, d) for d in os.listdir(out)]
+        with open(os.path.join(run_dir, "args.json")) as f:
+            assert json.load(f)["padding_free"] == bool(extra)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    packed_calls = []
+    original = TokenLogProbs._packed
+    monkeypatch.setattr(TokenLogProbs, "_packed", lambda self, *a: packed_calls.append(1) or original(self, *a))
+    padded = run()
+    assert not packed_calls
+    packed = run("--padding-free")
+    assert packed_calls  # the policy and the reference took the packed path
+    keys = ("train/loss", "train/grad_norm", "train/kl_ref", "train/approx_kl", "train/entropy", "train/accuracy")
+    for a, b in zip(padded, packed):
+        assert {k: b.get(k) for k in keys} == pytest.approx({k: a.get(k) for k in keys}, rel=1e-4, abs=1e-6)
+    assert max(m.get("train/approx_kl", 0) for m in padded) > 0  # second mini-batches: the policy had moved
