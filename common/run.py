@@ -40,6 +40,7 @@ from common.logprobs import TokenLogProbs
 from common.metrics import log_samples
 from common.reward import answer_format_for, set_workers
 from common.sampling import iter_weight_buckets, make_sampler, resolve_sampler
+from common.tool import ToolConfig
 
 
 def check_shared_args(args) -> None:
@@ -368,11 +369,11 @@ def load_reference(args, accelerator, policy):
     return ref
 
 
-def load_sampler(args, model, tokenizer, accelerator):
+def load_sampler(args, model, tokenizer, accelerator, tool: ToolConfig | None = None):
     """The --sampler (common.sampling.make_sampler) for this rank (seed + rank * 100003): vLLM with the --vllm-*
     settings, room for `max_model_len`, and the template's stop strings. --vllm-mode server: a
     client of tools/vllm_server.py (common.vllm_server), given the model's weights first (the server may hold
-    another run's)."""
+    another run's). `tool`: the Python tool during rollouts (common/tool.py; None: none)."""
     from common.data import STOP_STRINGS
 
     seed, stop = args.seed + accelerator.process_index * 100003, STOP_STRINGS.get(args.prompt_template, [])
@@ -386,7 +387,15 @@ def load_sampler(args, model, tokenizer, accelerator):
             accelerator.num_processes,
         )
         sampler = ServerSampler(
-            host, port, seed=seed, timeout=args.vllm_server_timeout, stop=stop, rank=rank, world=world
+            host,
+            port,
+            seed=seed,
+            timeout=args.vllm_server_timeout,
+            stop=stop,
+            rank=rank,
+            world=world,
+            tool=tool,
+            tokenizer=tokenizer,
         )
         sampler.update_weights(model)
         return sampler
@@ -408,6 +417,7 @@ def load_sampler(args, model, tokenizer, accelerator):
         max_model_len=max_model_len(args, model),
         stop=stop,
         lora_rank=args.lora_rank if args.lora_sync == "adapter" else 0,
+        tool=tool,
     )
 
 
