@@ -47,6 +47,14 @@ R1_TEMPLATE = (
     "User: {question}\nAssistant: <think>"
 )
 STOP_STRINGS = {"r1": ["</answer>"]}  # a completion ends there (understand-r1-zero's stop), kept in its text
+# ToRL's prompt for base models with the Python tool (GAIR-NLP/ToRL@cb78cf1, verl/utils/dataset/rl_dataset.py
+# `tir_base_0309`, the template of scripts/torl_1.5b.sh); no stop string of its own: ToRL's turns end at EOS, and the
+# tool's fence (common/tool.py) is the sampler's
+TORL_TEMPLATE = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\nUser: "
+    "Please integrate natural language reasoning with programs to solve the problem above, and put your final answer "
+    "within \\boxed{{}}.\n{question}\nAssistant:\n"
+)
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"
@@ -58,6 +66,7 @@ DEMO_FORMAT = {  # --gt-injection: the bare reference answer as a demonstration,
     "qwen-boxed": "The answer is \\boxed{{{a}}}.",
     "r1": " The answer is {a}. </think> <answer> {a} </answer>",
     "dapo": "Answer: {a}",
+    "torl": "The answer is \\boxed{{{a}}}.",
 }
 
 
@@ -68,6 +77,8 @@ def format_prompt(question: str, template: str, tokenizer) -> str:
         return question
     if template == "r1":
         return R1_TEMPLATE.format(question=question)
+    if template == "torl":
+        return TORL_TEMPLATE.format(question=question)
     if template == "qwen-boxed":
         messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
     else:  # DAPO-Math-17k's prompts carry the instruction already
