@@ -36,6 +36,7 @@ from common.data_strategies import (
 )
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion, _done
+from common.tool import Tool, ToolConfig, splice_text
 
 # Prompt templates
 SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -215,6 +216,8 @@ class TrainData:
     demos: dict[int, Demonstration | None] = field(default_factory=dict)
     position: int = 0  # draws from the data stream so far (dapo/cispo: several a step)
     pending: list[dict] = field(default_factory=list)  # rollouts generated ahead (--off-policy-steps), oldest first
+    tool: ToolConfig | None = None  # the Python tool: demonstrations' programs run, their outputs spliced and masked
+    _tool: Tool | None = None
 
     def __post_init__(self) -> None:
         self.tracker = self.tracker or PromptTracker(len(self.prompts))
@@ -276,15 +279,27 @@ class TrainData:
         verifier scores correct in the run's answer format; None if none does (then the group is left as it is)."""
         if row not in self.demos:
             self.demos[row] = None
-            a, tokenizer, solution = self.args, self.tokenizer, self.solutions.get(row)
+            a, solution = self.args, self.solutions.get(row)
             answer_format = answer_format_for(a.prompt_template, a.reward_format)
             for text in demonstrations(self.golds[row], solution, a.prompt_template):
-                ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-                verified = score([text], [self.golds[row]], answer_format=answer_format)[0][0] == 1.0
-                if len(ids) <= a.max_new_tokens and verified:
-                    self.demos[row] = Demonstration(Completion(ids, text, truncated=False), bare=text != solution)
+                c = self._demo_completion(text)
+                verified = score([c.text], [self.golds[row]], answer_format=answer_format)[0][0] == 1.0
+                if len(c.token_ids) <= a.max_new_tokens and not c.truncated and verified:
+                    self.demos[row] = Demonstration(c, bare=text != solution)
                     break
         return self.demos[row]
+
+    def _demo_completion(self, text: str) -> Completion:
+        """A demonstration's completion (EOS appended); with the tool, its programs run and their outputs spliced in
+        as a rollout's (common.tool.splice_text: mask 0 on them), its text the spliced one."""
+        eos = self.tokenizer.eos_token_id
+        if self.tool is None:
+            return Completion(self.tokenizer(text, add_special_tokens=False).input_ids + [eos], text, truncated=False)
+        if self._tool is None:
+            self._tool = Tool(self.tool, self.tokenizer)
+        t = splice_text(text, self._tool, self.args.max_new_tokens - 1)
+        spliced = self.tokenizer.decode(t.token_ids, skip_special_tokens=True)
+        return Completion(t.token_ids + [eos], spliced, t.truncated, None, t.mask + [1], t.stats)
 
     def metrics(self, groups: TrainGroups, accelerator) -> dict[str, float]:
         """data/* metrics, summed (counts) or averaged (pass rate) over ranks; the tracker's quantiles and the share
@@ -359,10 +374,12 @@ def check_data_args(args) -> None:
         raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
 
 
-def load_data(args, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
+def load_data(
+    args, tokenizer, log=print, tool: ToolConfig | None = None
+) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
     """The training data (None with --total-steps 0: an evaluation-only run reads none) and the evaluation sets
     ({name: (prompt ids, golds)}, empty without --eval-every). `log` (the main process's print) gets one line for each
-    setting that quietly does less than it seems to."""
+    setting that quietly does less than it seems to. `tool`: the Python tool, for --gt-injection's demonstrations."""
     if note := chat_template_note(args.prompt_template, tokenizer, args.model_name_or_path):
         log(note)
     train = None
@@ -370,7 +387,7 @@ def load_data(args, tokenizer, log=print) -> tuple[TrainData | None, dict[str, t
         dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log)
-        train = TrainData(args, prompts, golds, tokenizer)
+        train = TrainData(args, prompts, golds, tokenizer, tool=tool)
         if args.gt_injection and args.solution_column:  # worked solutions, matched to the kept rows by their prompt
             try:
                 solutions = load_rows(*dataset, args.prompt_column, args.solution_column, "--solution-column")[1]

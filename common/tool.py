@@ -241,3 +241,23 @@ class Trajectory:
         tail = text[len(head) :]
         ends = [i + len(s) for s in stop if (i := tail.find(s)) >= 0]
         return head + (tail[: min(ends)] if ends else tail)
+
+
+def splice_text(text: str, tool: Tool, budget: int) -> Trajectory:
+    """A text written with the tool's blocks (a worked solution, for --gt-injection) as a rollout would hold it: its
+    text tokenised piece by piece up to each closed ```python block, the block's program run and its output block
+    spliced in (an output block the text already holds after it is dropped: the tool's own replaces it), within
+    `budget` tokens; at most the config's max_calls programs."""
+    t, rest = Trajectory(0, 0), text
+    t.logprobs = None
+    while rest and not t.done:
+        end = None
+        if t.stats.calls < tool.config.max_calls:
+            starts = (i + len(FENCE) for i in range(len(rest)) if rest.startswith(FENCE, i))
+            end = next((e for e in starts if closed_program(rest[:e]) is not None), None)
+        piece, rest = (rest, "") if end is None else (rest[:end], rest[end:])
+        if rest.startswith("```output\n") and (close := rest.find("\n```\n")) >= 0:
+            rest = rest[close + len("\n```\n") :]
+        t.add(Segment(tool.encode(piece), None, piece, FENCE if end is not None else None, False), budget, tool)
+        t.splice(budget, tool)
+    return t

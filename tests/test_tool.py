@@ -284,6 +284,28 @@ def test_pending_tool_rollouts_and_the_replay_buffer_survive_a_checkpoint(tok_mo
     assert [c.mask for c in replayed.completions] == [c.mask for c in out[2:4]]  # the newest group, with its masks
 
 
+def test_a_demonstration_with_a_program_is_spliced_as_a_rollout_would_be(tok_model):
+    """--gt-injection with the tool: a worked solution's program runs, its output block (the tool's, not the one the
+    solution's text holds) is spliced in with mask 0, and the spliced text is what the verifier scores."""
+    from common.data import TrainData
+
+    tok, _ = tok_model
+    args = SimpleNamespace(replay_buffer_size=1, prompt_template="torl", reward_format="auto", max_new_tokens=200)
+    program = "```python\nprint('\\\\boxed{%d}' % (347 * 912))\n```\n"
+    solution = program + "```output\nwrong\n```\nDone."
+    data = TrainData(args, [[1, 2]], ["316464"], tok, solutions={0: solution}, tool=CONFIG)
+    demo = data.demo(0)
+    block = tool_block("\\boxed{316464}")
+    ids = [*tok(program, add_special_tokens=False).input_ids, *tok(block, add_special_tokens=False).input_ids]
+    ids += tok("Done.", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert not demo.bare and demo.completion.token_ids == ids and demo.completion.tool.calls == 1
+    assert demo.completion.text == program + block + "Done."
+    n_program, n_block = len(tok(program, add_special_tokens=False).input_ids), len(tok(block).input_ids)
+    assert demo.completion.mask == [1] * n_program + [0] * n_block + [1] * (len(ids) - n_program - n_block)
+    plain = TrainData(args, [[1, 2]], ["316464"], tok, solutions={0: solution}).demo(0)
+    assert plain.bare  # without the tool the solution's own (wrong) block is all there is: the bare answer wins
+
+
 class OneProcess:
     """What step_metrics and tool_metrics need of an Accelerator, for one process."""
 
