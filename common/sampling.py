@@ -341,6 +341,22 @@ class _ProcessedLogProbs:
         return torch.stack(self.steps, dim=1)
 
 
+class _ReportStops:
+    """A stopping criterion: transformers' StopStringCriteria, which also calls `on_stop(row, generated ids)` the
+    step a row first meets a stop string (the tool starts its program there, while the other rows go on)."""
+
+    def __init__(self, inner, width: int, on_stop):
+        self.inner, self.width, self.on_stop, self.seen = inner, width, on_stop, set()
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        done = self.inner(input_ids, scores, **kwargs)
+        for row in done.nonzero().flatten().tolist():
+            if row not in self.seen:
+                self.seen.add(row)
+                self.on_stop(row, input_ids[row, self.width :].tolist())
+        return done
+
+
 @contextlib.contextmanager
 def _quiet_generation():
     """Silences transformers' generation-config chatter (warnings and logger lines) for one call."""
@@ -532,15 +548,27 @@ class HFSampler:
                         batches.append((prefixes, members, 1, list(stops)))
             for prefixes, members, k, stops in batches:
                 budget = max(max_new_tokens - len(t.token_ids) for t in members)
+
+                def start(row: int, ids: list[int], members=members, stops=stops) -> None:
+                    members[row].start(ids, self._stop_text(ids, stops), max_new_tokens, tool)
+
                 with tool.clock.busy():
-                    segments = self._generate_batch(model, device, prefixes, k, temperature, top_p, budget, stops)
+                    segments = self._generate_batch(
+                        model, device, prefixes, k, temperature, top_p, budget, stops, start
+                    )
                 for t, seg in zip(members, segments):
-                    t.add(seg, max_new_tokens, tool)  # a program starts now, beside the next batch
+                    t.add(seg, max_new_tokens, tool)  # the program started above, or now
             for t in live:
                 t.splice(max_new_tokens, tool)
             first = False
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
         return _tool_completions(trajectories, decode, self.stop, n, greedy)
+
+    def _stop_text(self, ids: list[int], stop: list[str]) -> str:
+        """The text of generated ids cut after the stop string they hold (a segment's text)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        end = _stop_end(text, stop)
+        return text if end is None else text[:end]
 
     def _generate_batch(
         self,
@@ -552,10 +580,11 @@ class HFSampler:
         top_p: float,
         max_new_tokens: int,
         stop: list[str],
+        on_stop=None,
     ) -> list[Segment]:
         """n rows per prompt (left-padded together), each its generated ids cut after EOS or the token that
-        completed a stop string."""
-        from transformers import GenerationConfig, LogitsProcessorList
+        completed a stop string. `on_stop(row, ids)`: called as a row stops at a stop string, while the others go on."""
+        from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -578,8 +607,9 @@ class HFSampler:
             pad_token_id=self.pad_token_id,
             use_cache=True,
             return_dict_in_generate=True,
-            stop_strings=stop or None,
+            stop_strings=None if on_stop else stop or None,
         )
+        reporter = [_ReportStops(StopStringCriteria(self.tokenizer, stop), width, on_stop)] if on_stop and stop else []
         recorder = _ProcessedLogProbs(1.0 if greedy else temperature, 1.0 if greedy else top_p)
         saved = model.generation_config
         model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
@@ -589,7 +619,8 @@ class HFSampler:
                 attention_mask=attn.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
-                tokenizer=self.tokenizer if stop else None,  # transformers needs it for stop_strings
+                stopping_criteria=reporter or None,
+                tokenizer=self.tokenizer if stop and not reporter else None,  # transformers needs it for stop_strings
                 # FSDP2 on several ranks: a rank whose rows all ended keeps stepping until every rank's have
                 # (transformers turns this on by itself for FSDP1 and ZeRO-3 only)
                 synced_gpus=self.fsdp_root is not None and torch.distributed.get_world_size() > 1,

@@ -181,6 +181,7 @@ class Trajectory:
     last_start: int = 0  # where the last model segment begins (its stop string cuts the final text)
     last_stop: str | None = None
     future: Future | None = None  # the program of the last segment, running
+    early: tuple[str, Future] | None = None  # a program started before its segment was returned (`start`)
     waves: int = 0  # generation requests so far (seeds the next)
 
     def stops(self, stop: list[str], config: ToolConfig) -> list[str]:
@@ -205,7 +206,17 @@ class Trajectory:
         elif len(self.token_ids) >= budget:  # a closing fence, and no room left after it
             self.done, self.truncated = True, True
         elif (code := closed_program(seg.text)) is not None:  # else another block closed: generation goes on
-            self.future = tool.submit(code)
+            self.future = self.early[1] if self.early and self.early[0] == code else tool.submit(code)
+        self.early = None
+
+    def start(self, token_ids: list[int], text: str, budget: int, tool: Tool) -> None:
+        """Starts the program a segment still being generated has just closed (HF generate calls it the step the
+        row stops, so the program runs beside the other rows); `add` takes it over when the segment is returned."""
+        room = budget - len(self.token_ids)
+        if self.stats.calls < tool.config.max_calls and len(token_ids) < room and text.endswith(FENCE):
+            code = closed_program(text)
+            if code is not None:
+                self.early = (code, tool.submit(code))
 
     def splice(self, budget: int, tool: Tool) -> None:
         """Waits for the pending program and appends its output block (mask 0), cut to the budget."""

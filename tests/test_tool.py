@@ -135,18 +135,23 @@ def prompts(tok) -> list[list[int]]:
     return [tok(p).input_ids for p in TOOL_SCRIPTS]
 
 
-def test_hf_rollouts_run_each_program_and_splice_its_output(tok_model):
+def test_hf_rollouts_run_each_program_and_splice_its_output(tok_model, monkeypatch):
     """Greedy, the model writes each script's programs; the sampler runs them and appends what the model was trained
     to read: every completion is its script, token for token, with the output blocks (and only they) masked. The
     model writes its text one token per character, not as the tokenizer would split it: ids re-tokenised from the
     text would differ."""
+    from common.tool import Tool
+
     tok, model = tok_model
+    submitted, submit = [], Tool.submit
+    monkeypatch.setattr(Tool, "submit", lambda self, code: submitted.append(code) or submit(self, code))
     sampler = HFSampler(model, tok, seed=1, batch_size=2, tool=CONFIG)
     try:
         out = sampler.generate(prompts(tok), 2, 0.0, 1.0, 200)
     finally:
         sampler.close()
     assert len(out) == 2 * len(TOOL_SCRIPTS)
+    assert len(submitted) == sum(c.tool.calls for c in out[::2])  # each started once, as its row stopped
     for c, (prompt, pieces) in zip(out[::2], TOOL_SCRIPTS.items()):
         ids, mask = script_ids(tok, pieces)
         assert c.text == "".join(pieces) and c.token_ids == ids and c.mask == mask, prompt
