@@ -34,6 +34,7 @@ and write its files (tokens, checkpoints), use the network, and a program that l
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import selectors
@@ -112,6 +113,16 @@ def sandbox_uid(slot: int) -> int:
     return UID_BASE + (os.getpid() % 1_000_000) * 64 + slot % 64
 
 
+@functools.cache
+def _bwrap_version() -> tuple[int, ...]:
+    """bwrap's version, e.g. (0, 8, 0); (0,) when it does not say."""
+    try:
+        out = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=10).stdout
+        return tuple(int(x) for x in out.split()[-1].split("."))
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return (0,)
+
+
 def _python_dirs() -> list[str]:
     """The directories the trainer's Python needs, to bind read-only: its prefix (and a venv's base), where its
     real executable lives."""
@@ -159,7 +170,8 @@ class Sandbox:
             cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
             cmd += ["--cap-add", "CAP_SETPCAP"]
         else:
-            cmd += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+            cmd += ["--unshare-user", "--cap-drop", "ALL"]
+            cmd += ["--disable-userns"] if _bwrap_version() >= (0, 8) else []  # no nested user namespaces
         cmd += ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr: /bin -> usr/bin (a real directory is bound)
             path = f"/{link}"

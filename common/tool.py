@@ -27,6 +27,7 @@ longer than `max_output_chars` (ToRL: 256), the first and last halves around "..
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -139,6 +140,7 @@ class Tool:
     def __init__(self, config: ToolConfig, tokenizer: Any):
         require_sandbox(config.sandbox)
         self.config, self.tokenizer = config, tokenizer
+        self.lock = threading.Lock()  # the server's request chains splice from many threads; fast tokenizers object
         self.clock = BusyClock()
         self.pool = ToolPool(Sandbox(config.sandbox, config.limits()), config.workers, self.clock)
 
@@ -146,7 +148,12 @@ class Tool:
         return self.pool.submit(code)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        with self.lock:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def close(self) -> None:
         self.pool.close()
@@ -230,7 +237,7 @@ class Trajectory:
         s.timeouts += result.timed_out
         s.seconds += result.seconds
         s.overlap_seconds += result.overlap_s
-        after = tool.tokenizer.decode(self.token_ids[self.last_start :], skip_special_tokens=True)
+        after = tool.decode(self.token_ids[self.last_start :])
         ids = tool.encode(output_block(shown_output(result, tool.config), after))
         ids = ids[: budget - len(self.token_ids)]
         self.token_ids += ids

@@ -77,6 +77,9 @@ class FakeTool:
     def encode(self, text):
         return self.tokenizer(text).input_ids
 
+    def decode(self, ids):
+        return self.tokenizer.decode(ids)
+
 
 def seg(text: str, stop: str | None, truncated: bool = False) -> Segment:
     return Segment([ord(ch) for ch in text], [-0.5] * len(text), text, stop, truncated)
