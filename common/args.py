@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # a type a script repeats when it overrides the default (dapo.py: prompt_template: PromptTemplate = "dapo")
-PromptTemplate = Literal["none", "qwen-boxed", "r1", "dapo"]
+PromptTemplate = Literal["none", "qwen-boxed", "r1", "dapo", "torl"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SharedArgs:
     """the reference answer (bare, or a solution whose last \\boxed{} is the answer)"""
     prompt_template: PromptTemplate = "qwen-boxed"
     """none: the question as is; qwen-boxed: Qwen2.5-Math's \\boxed{} chat prompt; r1: R1-Zero's
-    <think>/<answer>; dapo: DAPO's 'Answer:' chat prompt (docs/flags.md)"""
+    <think>/<answer>; dapo: DAPO's 'Answer:' chat prompt; torl: ToRL's, with --tool python (docs/flags.md)"""
     reward_format: Literal["auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"] = "auto"
     """where the verifier reads the final answer (none there: 0, a format error); auto: from
     --prompt-template (docs/algorithms.md "Answer formats")"""
@@ -182,6 +182,25 @@ class SharedArgs:
     """dropout on the adapters' input"""
     lora_sync: Literal["merged", "adapter"] = "merged"
     """what vLLM gets: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
+
+    # A Python tool during rollouts (docs/tools.md): off by default
+    tool: Literal["none", "python"] = "none"
+    """python: the model may run Python in fenced ```python blocks while it generates, and sees the
+    output (docs/tools.md); none: no tool"""
+    max_tool_calls: int = 1
+    """programs run per completion (ToRL's setting); later blocks are text"""
+    tool_sandbox: Literal["bwrap", "none"] = "bwrap"
+    """bwrap: each program in bubblewrap (apt-get install bubblewrap); none: NO isolation: a program
+    runs as the trainer's user, can read and write its files (tokens, checkpoints), use the network,
+    outlive a timeout by leaving its process group, and as root has no process limit"""
+    tool_timeout: float = 10.0
+    """wall-clock seconds per program"""
+    tool_memory_mb: int = 1024
+    """address space per process of a program, in MiB"""
+    tool_output_chars: int = 256
+    """characters of a program's output the model is shown (ToRL: 256)"""
+    tool_workers: int = 4
+    """programs run at once, beside generation"""
 
     # Evaluation
     eval_every: int = 0

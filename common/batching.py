@@ -30,7 +30,9 @@ def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id
     completions, the completion `mask` [N, C], the prompt width `p_len`, `advantages` [N], `lens` ((prompt,
     completion) lengths per row, host-side) and, when the sampler gave log-probs, `sampler_logps` [N, C] (NaN rows for
     completions it did not sample this step). prompts: one per group; completions: common.sampling.Completion,
-    groups of len(completions) // len(prompts) contiguous."""
+    groups of len(completions) // len(prompts) contiguous. With the tool, a completion's own mask (0 on the tool's
+    output tokens) is folded into `mask`: those tokens stay in `ids` and `attn` (the model reads them) but are out of
+    the loss, the log-prob canary, the rollout correction and the entropy, which all read `mask`."""
     group_size = len(completions) // len(prompts)
     rows = [p for p in prompts for _ in range(group_size)]
     p_len = max(len(p) for p in rows)
@@ -41,7 +43,10 @@ def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id
         ids[i, p_len - len(p) : p_len] = torch.tensor(p)
         ids[i, p_len : p_len + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         attn[i, p_len - len(p) : p_len + len(c.token_ids)] = 1
-    mask = attn[:, p_len:]
+    mask = attn[:, p_len:].clone()
+    for i, c in enumerate(completions):
+        if c.mask is not None:  # the tool's output tokens: context, not actions
+            mask[i, : len(c.mask)] = torch.tensor(c.mask, dtype=mask.dtype)
     batch = {
         "ids": ids.to(device),
         "attn": attn.to(device),

@@ -222,9 +222,10 @@ def inject_and_replay(
             out.bare += d.bare
         elif args.replay and min(group) == max(group) and (old := buffer.pop(step, args.replay_max_age)):
             out.prompts[k], out.fresh[k] = old["prompt"], False
-            stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])
-            for j, (ids, text, trunc, c, lp) in enumerate(stored):
-                out.completions[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc)
+            masks = old.get("masks") or [None] * len(old["token_ids"])  # with the tool: 0 on its output tokens
+            stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"], masks)
+            for j, (ids, text, trunc, c, lp, m) in enumerate(stored):
+                out.completions[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc, mask=m)
                 out.correct[k * g + j] = c
                 out.stored_logps[k * g + j] = lp
             out.replayed += 1
@@ -250,14 +251,15 @@ def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_
         if groups.fresh[k] and 0 < sum(c) < g and (hard or easy or groups.injected[k]):
             comps = groups.completions[k * g : (k + 1) * g]
             logps = old[k * g : (k + 1) * g].tolist()
-            buffer.push(
-                {
-                    "prompt": list(prompt),
-                    "token_ids": [list(x.token_ids) for x in comps],
-                    "texts": [x.text for x in comps],
-                    "truncated": [bool(x.truncated) for x in comps],
-                    "correct": [float(x) for x in c],
-                    "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
-                    "step": groups.step,
-                }
-            )
+            stored = {
+                "prompt": list(prompt),
+                "token_ids": [list(x.token_ids) for x in comps],
+                "texts": [x.text for x in comps],
+                "truncated": [bool(x.truncated) for x in comps],
+                "correct": [float(x) for x in c],
+                "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
+                "step": groups.step,
+            }
+            if any(x.mask is not None for x in comps):  # the tool's: its output tokens stay out of the loss
+                stored["masks"] = [x.mask for x in comps]
+            buffer.push(stored)

@@ -49,12 +49,18 @@ _INTEGER = re.compile(r"-?\d{1,30}")  # decided without math-verify (see the mod
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-line-strict", "answer-tag")
-TEMPLATE_ANSWER_FORMATS = {"none": "any", "qwen-boxed": "boxed", "dapo": "answer-line", "r1": "answer-tag"}
+TEMPLATE_ANSWER_FORMATS = {
+    "none": "any",
+    "qwen-boxed": "boxed",
+    "dapo": "answer-line",
+    "r1": "answer-tag",
+    "torl": "boxed",
+}
 
 
 def answer_format_for(prompt_template: str, reward_format: str = "auto") -> str:
     """The answer format a script scores with: --reward-format, or with "auto" the one its --prompt-template asks for
-    (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)."""
+    (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag, torl: boxed)."""
     return TEMPLATE_ANSWER_FORMATS[prompt_template] if reward_format == "auto" else reward_format
 
 

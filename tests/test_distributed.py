@@ -289,9 +289,11 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
 def test_health_metrics_cover_every_rank(procs, tmp_path):
     """The train/ text statistics on 2 processes (rank 0: 2 groups, rank 1: 1 group) equal those of 1 process
     holding all 3 groups, and completion_stats of all the texts: rank 1 alone holds the reflection words, the
-    language mixing and the long completions, so rank 0's own texts would give other values."""
-    from common.metrics import completion_stats
-    from tests.health_worker import CORRECT, GROUP, LENGTHS, TEXTS
+    language mixing and the long completions, so rank 0's own texts would give other values. The tool/ metrics
+    likewise (rank 1 holds the timeout and most of the programs' seconds)."""
+    from common.metrics import completion_stats, tool_metrics
+    from tests.health_worker import CORRECT, GROUP, LENGTHS, TEXTS, tool_completions
+    from tests.test_tool import OneProcess
 
     worker, out = os.path.join(ROOT, "tests", "health_worker.py"), str(tmp_path / "m.json")
     cmd = [sys.executable, worker] if procs == 1 else launch_cmd(worker, procs)
@@ -300,6 +302,8 @@ def test_health_metrics_cover_every_rank(procs, tmp_path):
     with open(out) as f:
         got = json.load(f)
     expected = {f"train/{k}": v for k, v in completion_stats(TEXTS, CORRECT, GROUP, LENGTHS).items()}
+    expected.update(tool_metrics(OneProcess(), tool_completions()))
+    assert tool_metrics(OneProcess(), tool_completions()[:4])["tool/timeout_frac"] == 0  # rank 0's alone differ
     assert got.pop("world") == procs and set(got) == set(expected)
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, abs=1e-12, nan_ok=True), k
