@@ -29,6 +29,8 @@ SCRIPTS = [
         "dppo",
         "clip_cov",
         "m2po",
+        "reinforce_pp",
+        "rloo",
     )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
@@ -46,6 +48,8 @@ LEARN_FLAGS: dict[str, dict] = {
     "dppo": {"num-mini-batches": 1},
     "clip_cov": {"num-mini-batches": 2},
     "m2po": {},
+    "reinforce_pp": {},
+    "rloo": {"warmup-steps": 0},
 }
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 

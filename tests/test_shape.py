@@ -20,6 +20,7 @@ EXTRA_IMPORTS = {
     "cispo": {"gather"},
     "clip_cov": {"batching"},  # global_sum / global_cat: the token selection over all ranks
     "m2po": {"global_cat"},
+    "reinforce_pp": {"global_sum"},  # the advantages' mean and std over all ranks
 }
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top

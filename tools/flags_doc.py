@@ -20,6 +20,7 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SCRIPTS = ["grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro", "sapo", "gmpo", "dppo", "clip_cov", "m2po"]
+SCRIPTS += ["reinforce_pp", "rloo"]
 OUT = os.path.join(ROOT, "docs", "flags.md")
 
 # What a help line leaves out, appended to the flag's meaning (every script's flag of that name).
