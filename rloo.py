@@ -3,8 +3,8 @@
 
 Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
 from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4 (the KL-shaped
-reward), §2.3 (the estimator), App. C (training details). No official code; TRL's RLOOTrainer
-(trl/trainer/rloo_trainer.py) is the implementation its authors' setting is read from.
+reward), §2.3 (the estimator), App. C (training details). No official code; the implementations
+tools/compare_peers.py runs beside this one: TRL's RLOOTrainer, verl's and OpenRLHF's rloo.
 
 What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its
 reward carries the KL to a frozen reference summed over its tokens (k1, at the policy that
@@ -17,11 +17,12 @@ averaged over completions, with no ratio, no clip and no KL term:
     L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
 
 Every token of a completion gets the gradient -A_i / N: a long completion moves the policy more
-than a short one (GRPO divides by |o_i|). The paper takes 2 gradient steps per rollout (App. C),
-the second on samples of the policy before the first, with the same estimator (no importance
-ratio). --rloo-loss token-clip is verl's and OpenRLHF's RLOO: PPO's clip per token, A_i on every
-token, a token mean. TRL's RLOOTrainer clips the sequence ratio pi(o_i) / pi_old(o_i): the same
-gradient on the first step, not on the second.
+than a short one (GRPO divides by |o_i|). The paper takes 2 gradient steps per rollout (App. C)
+and writes its estimator without an importance ratio or clip (§2.3); this script applies it on
+both steps, the second on samples of the policy before the first. --rloo-loss token-clip is
+verl's and OpenRLHF's RLOO: PPO's clip per token, A_i on every token, a token mean. TRL's
+RLOOTrainer clips the sequence ratio pi(o_i) / pi_old(o_i): the same gradient on the first step,
+not on the second.
 
 Defaults: App. C's TL;DR run (Pythia-6.9B): beta = 0.03, a rollout of 512 in 2 optimizer steps of
 256, a constant lr of 1e-6 after a linear warm-up over 3% of the steps, 600 steps; G = 4 (the paper
