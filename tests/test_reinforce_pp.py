@@ -226,8 +226,8 @@ def test_replay_caps_the_ratio_of_each_token_with_a_negative_advantage():
     from common.data_strategies import REPLAY_RATIO_CAP, ReplayBuffer, TrainGroups, update_replay
     from common.sampling import Completion
 
-    now = torch.zeros(2, 3, dtype=torch.float64)  # log pi of the policy now
-    stored = [-5.0, -5.0, -5.0]  # a stale row: ratio e^5 on each token
+    now = torch.zeros(2, 4, dtype=torch.float64)  # log pi of the policy now; the batch is 4 tokens wide
+    stored = [-5.0, -5.0, -5.0]  # a stale 3-token row: ratio e^5 on each token
     groups = TrainGroups(
         prompts=[[1]],
         completions=[Completion([1, 2, 3], "", False)] * 2,
@@ -241,9 +241,9 @@ def test_replay_caps_the_ratio_of_each_token_with_a_negative_advantage():
     )
     floor = -math.log(REPLAY_RATIO_CAP)
     for adv, want in (
-        (torch.tensor([[0.0] * 3, [1.0, -1.0, 2.0]]), [-5.0, floor, -5.0]),
-        (torch.tensor([0.0, -1.0]), [floor] * 3),
-        (torch.tensor([0.0, 1.0]), [-5.0] * 3),
+        (torch.tensor([[0.0] * 4, [1.0, -1.0, 2.0, 0.0]]), [-5.0, floor, -5.0, 0.0]),
+        (torch.tensor([0.0, -1.0]), [floor] * 3 + [0.0]),
+        (torch.tensor([0.0, 1.0]), [-5.0] * 3 + [0.0]),
     ):
         batch = {"old_logps": now.clone(), "advantages": adv}
         update_replay(ReplayBuffer(4), groups, batch, 2)
