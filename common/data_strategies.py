@@ -234,16 +234,19 @@ def inject_and_replay(
 
 def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_size: int) -> None:
     """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
-    the policy that generated them), raised where needed so that a row with A < 0 starts the step with ratio at
-    most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A unbounded below for A < 0, and a stale token
-    can have a huge ratio). This step's high-value groups enter the buffer with their log-probs and step: a hard
-    prompt solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected group;
-    only groups with signal (0 < #correct < G). The batch's rows must be the groups' completions, in order."""
+    the policy that generated them), raised where needed so that a row with A < 0 (with per-token advantages, a
+    token with A < 0) starts the step with ratio at most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A
+    unbounded below for A < 0, and a stale token can have a huge ratio). This step's high-value groups enter the
+    buffer with their log-probs and step: a hard prompt solved (estimate < REPLAY_HARD), an easy prompt failed
+    (estimate > REPLAY_EASY), or an injected group; only groups with signal (0 < #correct < G). The batch's rows
+    must be the groups' completions, in order."""
     old, g = batch["old_logps"], group_size
     for r, lp in groups.stored_logps.items():
         stored = torch.tensor(lp, dtype=old.dtype, device=old.device)
-        if batch["advantages"][r] < 0:  # pi / pi_old <= cap: log pi_old >= log pi - log cap, pi the policy now
-            stored = torch.maximum(stored, old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP))
+        adv = batch["advantages"][r]  # one per row, or one per token (reinforce_pp.py's [N, T])
+        negative = adv[: len(lp)] < 0 if adv.dim() else adv < 0
+        floor = old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP)  # pi / pi_old <= cap, pi the policy now
+        stored = torch.where(negative, torch.maximum(stored, floor), stored)
         old[r, : len(lp)] = stored
     for k, prompt in enumerate(groups.prompts):
         c = groups.correct[k * g : (k + 1) * g]

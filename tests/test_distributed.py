@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import launch_cmd, selected_cases
+from tests.checks import launch_cmd, script_advantages, selected_cases
 from tests.dist_worker import job_file
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
@@ -68,13 +68,17 @@ def load_grad(out_dir, script, procs, micro, kw, zero3=False, fsdp2=False, launc
 
 # Per-script settings of the worker: the losses that select tokens over the whole mini-batch (over all ranks) get an
 # off-policy rollout (stale=1) so that their selection acts; Clip-Cov draws its tokens at random per rank, so every
-# candidate is taken (ratio 1) in a band that has candidates on this rollout.
-CASES = [(s, {}) for s in SCRIPTS if s not in ("clip_cov", "m2po")]
+# candidate is taken (ratio 1) in a band that has candidates on this rollout. REINFORCE++'s reward holds the KL to the
+# reference at pi_old: stale=1 gives it a pi_old different from the policy, and its advantages are normalised over
+# both ranks (the test after the next).
+REINFORCE_PP = ("reinforce_pp", {"stale": 1})
+CASES = [(s, {}) for s in SCRIPTS if s not in ("clip_cov", "m2po", "reinforce_pp")]
 CASES += [(s, kw) for s, kw in [
     ("clip_cov", {"stale": 1, "clip_cov_ratio": 1.0, "clip_cov_lb": 0.0}),
     ("clip_cov", {"stale": 1, "cov_form": "kl", "kl_cov_ratio": 0.2}),
     ("m2po", {"stale": 1}),
     ("m2po", {"stale": 1, "m2po_scope": "all"}),
+    REINFORCE_PP,
 ] if s in SCRIPTS]  # fmt: skip
 
 
@@ -90,6 +94,7 @@ FSDP2_CASES += [(s, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]
 
 
 SAME_GRADIENT = "test_same_gradient_for_one_or_many_micro_batches_and_ranks"
+GLOBAL_NORM = "test_reinforce_pp_normalises_over_every_rank"
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +103,9 @@ def gradients(request, toy_assets, tmp_path_factory):
     launches of the worker (1 process, 2, 2 with FSDP2) instead of ~4 per case: process and process-group starts
     are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient file's contents."""
     cases = [(c["script"], c["kw"]) for c in selected_cases(request, SAME_GRADIENT).values()]
+    norm_test = any(getattr(it, "originalname", "") == GLOBAL_NORM for it in request.session.items)
+    if norm_test and REINFORCE_PP not in cases and "reinforce_pp" in SCRIPTS:
+        cases.append(REINFORCE_PP)  # the test below reads that case's launches
     plan = {"1": [("grpo", 16, {})], "2": [], "FSDP2": []}
     for script, kw in cases:
         plan["1"].append((script, 16, kw))
@@ -144,6 +152,27 @@ def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, gradi
     for k, g in whole["grad"].items():
         for name, other in others.items():  # float64 throughout
             torch.testing.assert_close(other["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"{name}: {k}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("reinforce_pp" not in SCRIPTS, reason="reinforce_pp.py")
+def test_reinforce_pp_normalises_over_every_rank(gradients):
+    """reinforce_pp.py's advantages, each rank computing those of its own half of the groups (as main() does), equal
+    one process's and a float64 loop's over the whole rollout (eq. 5: the mean and std of every rank's tokens); each
+    rank's own statistics would give others. From the same launches as the test above (its REINFORCE_PP case)."""
+    import reinforce_pp
+    from tests.test_reinforce_pp import brute_advantages
+
+    script, kw = REINFORCE_PP
+    whole, dist = gradients("1", script, 16, kw)["per_token"], gradients("2", script, 3, kw)["per_token"]
+    for k in whole:  # the log-probs on the completions' tokens (the padding differs between micro-batch plans)
+        x, y = (run[k].double() * (run["mask"] if k in ("old", "ref") else 1) for run in (dist, whole))
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=k)
+    args = reinforce_pp.Args(group_size=4)
+    inputs = whole["rewards"].double(), whole["mask"], whole["old"], whole["ref"]
+    torch.testing.assert_close(whole["advantages"], brute_advantages(*inputs, args), rtol=0, atol=1e-12)
+    halves = [brute_advantages(*(x[h] for x in inputs), args) for h in (slice(0, 8), slice(8, 16))]
+    assert not torch.allclose(torch.cat(halves), dist["advantages"], atol=1e-3)  # per-rank statistics differ
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -258,7 +287,9 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
     for key in ("old_logps", "sampler_logps", "ref_logps"):
         batch[key] = -torch.rand(shape, generator=g) * 6
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
-    batch["advantages"] = mod.compute_advantages(rewards.cuda(), args)
+    batch["advantages"] = script_advantages(
+        mod, rewards.cuda(), batch["mask"], args, batch["old_logps"], batch["ref_logps"]
+    )
     normalizers, clip = mod.grad_normalizers, accelerator.clip_grad_norm_
 
     def then_strict(masks):

@@ -33,6 +33,8 @@ MAX_DIFF = {
     "dppo": 151,  # +1: the docstring cites the script that sets bypass mode
     "clip_cov": 157,
     "m2po": 151,
+    "reinforce_pp": 180,  # written on the shared flags: the KL in the reward, returns, global normalisation
+    "rloo": 153,
 }
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
 EXTRA_IMPORTS = {
@@ -41,6 +43,7 @@ EXTRA_IMPORTS = {
     "dppo": {"PromptTemplate"},
     "clip_cov": {"batching"},  # global_sum / global_cat: the token selection over all ranks
     "m2po": {"global_cat"},
+    "reinforce_pp": {"global_sum"},  # the advantages' mean and std over all ranks
 }
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top

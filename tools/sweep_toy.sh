@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All twelve scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
+# All fourteen scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
 #   bash tools/sweep_toy.sh [out_dir [flag ...]]
 # Flags after out_dir go to every script and win over the ones below, e.g. another seed:
 #   PLOT=/tmp/toy_s2.png bash tools/sweep_toy.sh /tmp/learn/s2 --seed 2
@@ -23,4 +23,6 @@ python gmpo.py $common --num-mini-batches 2 "$@"
 python dppo.py $common --num-mini-batches 1 "$@"
 python clip_cov.py $common --num-mini-batches 2 "$@"
 python m2po.py $common "$@"
+python reinforce_pp.py $common "$@"
+python rloo.py $common "$@"
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out "${PLOT:-docs/toy_sweep.png}"
