@@ -46,14 +46,14 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import tyro
 
+from common.args import PromptTemplate, SharedArgs
 from common.batching import grad_normalizers, make_batch, micro_batch, micro_batches
 from common.data import load_data
-from common.logprobs import LogprobCanary, compute_logps, rollout_correction
+from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, gather, step_metrics
 from common.reward import score
 from common.run import (
@@ -68,161 +68,27 @@ from common.run import (
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the experiment's name (run directory: <output-dir>/<exp-name>__<seed>__<unix time>)"""
-    seed: int = 1
-    """seed of the experiment (each rank samples with seed + rank * 100003)"""
-    output_dir: str = "runs"
-    """where run directories are created"""
-    resume: str | None = None
-    """a run directory to continue from its latest checkpoint (with --total-steps 0: to evaluate)"""
-    save_every: int = 100
-    """save a checkpoint every this many steps (0: only at the end)"""
-    keep_checkpoints: int = 2
-    """how many of the latest checkpoints to keep"""
-    log_samples_every: int = 10
-    """write a few prompts, completions and rewards to samples.jsonl every this many steps"""
-    track: bool = False
-    """track the run with Weights & Biases (TensorBoard synced, the flags as config)"""
-    wandb_project_name: str = "rl-for-llm"
-    """the wandb project name"""
-    wandb_entity: str | None = None
-    """the wandb entity (team or user; None: your default)"""
-
-    # Model and data
-    model_name_or_path: str = "Qwen/Qwen2.5-7B"
-    """Hugging Face hub id or local directory of the policy (the paper's is Qwen2.5-32B)"""
-    dataset_name: str = "open-r1/DAPO-Math-17k-Processed"
-    """hub id, or a local .jsonl / .json / .parquet file"""
+    # §4.1, and verl's recipe run_dapo_qwen2.5_32b.sh where the paper is silent (the docstring)
+    model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's is Qwen2.5-32B: too big for one node
+    dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, deduplicated
     dataset_config: str | None = "en"
-    """dataset configuration name on the hub (e.g. 'en'), if it has several"""
-    dataset_split: str = "train"
-    """dataset split"""
     prompt_column: str = "prompt"
-    """column holding the question"""
-    answer_column: str = "solution"
-    """the reference answer (bare, or a solution whose last \\boxed{} is the answer)"""
-    prompt_template: Literal["none", "qwen-boxed", "r1", "dapo"] = "dapo"
-    """none: the question as is; qwen-boxed: Qwen2.5-Math's \\boxed{} chat prompt; r1: R1-Zero's
-    <think>/<answer>; dapo: DAPO's 'Answer:' chat prompt (docs/flags.md)"""
-    reward_format: Literal[
-        "auto", "any", "boxed", "answer-line", "answer-line-strict", "answer-tag"
-    ] = "auto"
-    """where the verifier reads the final answer (none there: 0, a format error); auto: from
-    --prompt-template (docs/algorithms.md "Answer formats")"""
-    max_prompt_tokens: int = 2048
-    """prompts longer than this are dropped at load time (and counted)"""
-    max_bad_answer_frac: float = 0.1
-    """refuse a dataset with more than this fraction of unparseable answers (fewer: dropped)"""
-
-    # Sampling
-    sampler: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM with CUDA and vllm installed, else Hugging Face generate (vllm runs on CPU too)"""
+    prompt_template: PromptTemplate = "dapo"  # the prompts carry the "Answer:" instruction
+    max_prompt_tokens: int = 2048  # verl's recipe
     group_size: int = 16
-    """G, completions sampled per prompt"""
     prompts_per_step: int = 512
-    """prompts per training step, over all ranks (so group_size * prompts_per_step completions)"""
-    max_new_tokens: int = 20480
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer's log-probs use it too, so they match the sampler's)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of GPU memory the vLLM engine may take (CPU: of the memory, for its KV cache)"""
-    vllm_tensor_parallel_size: int = 1
-    """tensor parallel size of each vLLM engine; only 1 (each rank samples its own prompts)"""
-    vllm_enable_sleep_mode: bool = False
-    """offload vLLM's weights and KV cache while training (CUDA only)"""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
-    """colocate: an engine in every training process; server: tools/vllm_server.py elsewhere"""
-    vllm_server_host: str = "127.0.0.1"
-    """--vllm-mode server: the server's address (docs/gpu.md "A vLLM server")"""
-    vllm_server_port: int = 8000
-    """--vllm-mode server: the server's port"""
-    vllm_server_timeout: float = 600.0
-    """seconds any call to the server may take (a rollout, a weight push) before the run stops"""
-    off_policy_steps: int = 0
-    """K: a step trains on rollouts generated K steps before, while the sampler works ahead"""
-
-    # Data strategies (docs/data_strategies.md): all off by default
-    prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
-    """uniform: shuffled epochs; medium: prompts whose groups likely have a signal; curriculum:
-    those, easy to hard (docs/data_strategies.md)"""
-    difficulty_file: str | None = None
-    """tools/profile_data.py output: its per-prompt pass rates seed the tracker (the prior)"""
-    gt_injection: bool = False
-    """an all-wrong group's last completion is replaced by a verified demonstration"""
-    solution_column: str | None = None
-    """dataset column of worked solutions for --gt-injection (default: the bare reference answer)"""
-    replay: bool = False
-    """a group without signal is replaced by a buffered high-value group and its stored log-probs"""
-    replay_buffer_size: int = 64
-    """high-value groups each rank keeps for --replay (oldest dropped first)"""
-    replay_max_age: int = 10
-    """--replay: buffered groups generated more than this many steps ago are dropped"""
-    gt_injection_max_frac: float = 1.0
-    """--gt-injection: at most this share of a rank's groups per step get a demonstration"""
-    tracker_half_life: float = 10.0
-    """steps after which a pass-rate observation weighs half (0: never forget)"""
-    uniform_floor: float = 0.5
-    """curriculum/medium: the share of the draw probability spread uniformly over all prompts"""
-    curriculum_min_target: float = 0.2
-    """curriculum: the target pass rate at the end of the run (it starts at 1)"""
-
-    # Optimisation
-    learning_rate: float = 1e-6
-    """AdamW learning rate"""
-    warmup_steps: int = 320
-    """linear learning-rate warm-up, in optimizer steps; constant afterwards"""
-    weight_decay: float = 0.1
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    total_steps: int = 500
-    """training steps (one rollout each; 0: only evaluate)"""
-    num_mini_batches: int = 16
-    """optimizer steps per rollout and epoch (DAPO: mini-batches of 32 of the 512 prompts)"""
-    ppo_epochs: int = 1
-    """passes over each rollout"""
-    micro_batch_size: int = 256
-    """at most this many sequences per forward/backward on each rank"""
-    micro_batch_tokens: int = 8192
-    """padded tokens per forward/backward on each rank, longest sequences first; the gradient is the
-    same (0: --micro-batch-size rows; docs/benchmarks.md)"""
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """auto: bf16 on CUDA, none on CPU"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    logprob_chunk_size: int = 1024
-    """tokens per chunk when turning hidden states into log-probs (bounds a tokens x vocab array)"""
-    logprob_kernel: Literal["torch", "triton"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: fused output-layer forward (GPU)"""
-    max_bad_steps: int = 5
-    """stop after this many consecutive updates skipped for a non-finite loss or gradient norm"""
-    rollout_correction: Literal[
-        "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
-    ] = "auto"
-    """weight exp(old_logps - sampler_logps) on the policy term, for the sampler/trainer mismatch;
-    auto: token-truncate with vLLM, none with HF generate (docs/algorithms.md)"""
-    rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked"""
-    reward_workers: int = -1
-    """math-verify worker processes (-1: this process's cores / local ranks; 0: none)"""
-
-    # LoRA (peft; docs/lora.md): 0 is full fine-tuning
-    lora_rank: int = 0
-    """rank r of the LoRA adapters that train instead of the weights (0: full fine-tuning)"""
-    lora_alpha: float = 32.0
-    """LoRA's alpha: an adapted layer computes W x + (alpha / r) B A x"""
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """the layers given adapters: module names or suffixes (all-linear: all but the output layer)"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input"""
-    lora_sync: Literal["merged", "adapter"] = "merged"
-    """what vLLM gets: merged weights W + (alpha / r) B A, or the adapter (vLLM's LoRA path)"""
+    max_new_tokens: int = 20480  # L_max
+    warmup_steps: int = 320  # 20 rollout steps
+    weight_decay: float = 0.1  # verl's recipe
+    num_mini_batches: int = 16  # mini-batches of 32 of the 512 prompts
+    eval_datasets: list[str] = field(default_factory=lambda: ["math-ai/aime24"])
+    eval_answer_column: str = "solution"
+    eval_samples: int = 32  # AIME 2024 avg@32
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7
+    eval_max_new_tokens: int = 20480
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
@@ -245,26 +111,6 @@ class Args:
     """at most this many generation rounds per step; then train on the informative groups so far"""
     gen_prompts_per_round: int = 0
     """prompts per generation round, over all ranks (0: --prompts-per-step; verl's recipe: 3x)"""
-
-    # Evaluation
-    eval_every: int = 0
-    """evaluate every this many steps and at the end (0 disables evaluation)"""
-    eval_datasets: list[str] = field(default_factory=lambda: ["math-ai/aime24"])
-    """hub ids (split 'test') or local files to evaluate on"""
-    eval_prompt_column: str = "problem"
-    """question column of the evaluation datasets"""
-    eval_answer_column: str = "solution"
-    """answer column of the evaluation datasets"""
-    eval_samples: int = 32
-    """k completions per evaluation question (avg@k, pass@k, maj@k)"""
-    eval_temperature: float = 1.0
-    """evaluation sampling temperature (0: greedy)"""
-    eval_top_p: float = 0.7
-    """evaluation nucleus sampling"""
-    eval_max_new_tokens: int = 20480
-    """evaluation generation budget"""
-    eval_limit: int = 0
-    """evaluate on at most this many questions per dataset (0: all)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
@@ -369,25 +215,28 @@ def update_policy(
         seed = args.seed * 1_000_003 + step * 101 + epoch
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
-            rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(rows, batch["lens"], args)
-            chunks = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
-            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in chunks])
-            for j, (m, (_, p_w, _)) in enumerate(zip(chunks, plan)):
-                last = j == len(chunks) - 1
-                accelerator.gradient_state._set_sync_gradients(last)  # DeepSpeed steps at the last
-                with contextlib.nullcontext() if last else accelerator.no_sync(policy):
-                    logps, entropy = policy(m["ids"], m["attn"], p_w, args.temperature)
-                    old = m.get("old_logps", logps.detach())
-                    extra = dict(ref_logps=m.get("ref_logps"), rollout_logps=m.get("sampler_logps"))
-                    loss, mb_stats = compute_policy_loss(
-                        logps, old, m["advantages"], m["mask"], args, num_tokens, num_seqs, **extra
-                    )
-                    accelerator.backward(loss)
-                mb_stats.update(loss=loss, entropy=(entropy * m["mask"]).sum() / num_tokens)
-                add_stats(stats, mb_stats, 1 / updates)
-                if "sampler_logps" in m and epoch == 0 and mb == 0:  # the sampler has our weights
-                    canary.add(logps, m["sampler_logps"], m["mask"])
+            mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
+            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
+            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
+            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+                for j, m in enumerate(micro):
+                    last = j == len(micro) - 1
+                    accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
+                    with contextlib.nullcontext() if last else accelerator.no_sync(policy):
+                        logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
+                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        old = m.get("old_logps", logps.detach())
+                        adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
+                        extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
+                        loss, mb_stats = compute_policy_loss(
+                            logps, old, adv, mask, args, num_tokens, num_seqs, **extra
+                        )
+                        accelerator.backward(loss)
+                    mb_stats.update(loss=loss, entropy=(entropy * mask).sum() / num_tokens)
+                    add_stats(stats, mb_stats, 1 / updates)
+                    if "sampler_logps" in m and epoch == 0 and mb == 0:  # sampler = our weights
+                        canary.add(logps, m["sampler_logps"], mask)
             norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             # under DeepSpeed a float, or None
             norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
@@ -406,7 +255,7 @@ def update_policy(
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    accelerator = start(args)  # the flags every script has, "auto" modes resolved (common/run.py)
+    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling
         raise SystemExit("--gt-injection and --replay need --no-dynamic-sampling")

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.args import SharedArgs
+
 # the per-row tensors of a batch that hold one value per completion token ([N, C]); micro_batch cuts their padding
 TOKEN_KEYS = ("mask", "old_logps", "ref_logps", "sampler_logps")
 
@@ -28,7 +30,9 @@ def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id
     completions, the completion `mask` [N, C], the prompt width `p_len`, `advantages` [N], `lens` ((prompt,
     completion) lengths per row, host-side) and, when the sampler gave log-probs, `sampler_logps` [N, C] (NaN rows for
     completions it did not sample this step). prompts: one per group; completions: common.sampling.Completion,
-    groups of len(completions) // len(prompts) contiguous."""
+    groups of len(completions) // len(prompts) contiguous. With the tool, a completion's own mask (0 on the tool's
+    output tokens) is folded into `mask`: those tokens stay in `ids` and `attn` (the model reads them) but are out of
+    the loss, the log-prob canary, the rollout correction and the entropy, which all read `mask`."""
     group_size = len(completions) // len(prompts)
     rows = [p for p in prompts for _ in range(group_size)]
     p_len = max(len(p) for p in rows)
@@ -39,7 +43,10 @@ def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id
         ids[i, p_len - len(p) : p_len] = torch.tensor(p)
         ids[i, p_len : p_len + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         attn[i, p_len - len(p) : p_len + len(c.token_ids)] = 1
-    mask = attn[:, p_len:]
+    mask = attn[:, p_len:].clone()
+    for i, c in enumerate(completions):
+        if c.mask is not None:  # the tool's output tokens: context, not actions
+            mask[i, : len(c.mask)] = torch.tensor(c.mask, dtype=mask.dtype)
     batch = {
         "ids": ids.to(device),
         "attn": attn.to(device),
@@ -59,35 +66,37 @@ def pad_logprobs(logprobs: list[list[float] | None], width: int) -> Tensor:
     return torch.tensor([[math.nan] * width if lp is None else lp + [0.0] * (width - len(lp)) for lp in logprobs])
 
 
-def micro_batches(rows: list[int], lens: list[tuple[int, int]], args) -> list[tuple[list[int], int, int]]:
+def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: SharedArgs) -> list[tuple[list[int], int, int]]:
     """Splits rows of a rollout into micro-batches: (rows, prompt width, completion width), the widths being the
     longest prompt and completion among those rows, so each micro-batch is cut to its own padding.
     lens: (prompt length, completion length) per row. --micro-batch-size rows at a time in the given order
     (--micro-batch-tokens 0), or longest completion first, as many rows as fit in --micro-batch-tokens padded tokens
-    (at most --micro-batch-size)."""
+    (at most --micro-batch-size); with --padding-free, tokens without the padding."""
     max_rows, max_tokens = args.micro_batch_size, args.micro_batch_tokens
     if max_tokens <= 0:
         groups = [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
     else:
-        groups, width = [], (0, 0)
+        groups, width, tokens = [], (0, 0), 0
         for r in sorted(rows, key=lambda r: -lens[r][1]):
             w = (max(width[0], lens[r][0]), max(width[1], lens[r][1]))
             n = len(groups[-1]) + 1 if groups else 0
-            if not groups or n > max_rows or n * sum(w) > max_tokens:
+            cost = tokens + sum(lens[r]) if args.padding_free else n * sum(w)
+            if not groups or n > max_rows or cost > max_tokens:
                 groups.append([])
-                w = lens[r]
+                w, cost = lens[r], sum(lens[r])
             groups[-1].append(r)
-            width = w
+            width, tokens = w, cost
     return [(g, max(lens[r][0] for r in g), max(1, max(lens[r][1] for r in g))) for g in groups]
 
 
 def micro_batch(batch: dict, rows: list[int], p_w: int, c_w: int) -> dict:
     """Rows `rows` of the batch, with the padding beyond the widths removed: input columns [p_len - p_w, p_len + c_w)
-    and completion columns [0, c_w). Also holds `rows` as an index tensor, and any other per-row tensor of the batch
-    (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token selection, is cut like it)."""
+    and completion columns [0, c_w), so its `p_len` is p_w. Also holds `rows` as an index tensor, and any other
+    per-row tensor of the batch (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token
+    selection, is cut like it)."""
     idx = torch.tensor(rows, device=batch["ids"].device)
     p_len = batch["p_len"]
-    out = {"rows": idx}
+    out = {"rows": idx, "p_len": p_w}
     for k, v in batch.items():
         if k in TOKEN_KEYS or (isinstance(v, Tensor) and k not in ("ids", "attn") and v.shape == batch["mask"].shape):
             out[k] = v[idx, :c_w]

@@ -4,7 +4,8 @@ backward and gradient norm where accelerate's own calls only know the policy.
 
 Nothing here is specific to one algorithm: GAE, the value loss and every paper choice stay in the scripts.
 
-    critic, optimizer, scheduler = load_critic(args, accelerator, path, lr, warmup_steps, weight_decay, max_norm)
+    check_critic_args(args, len(tokenizer), world)          # before the run directory is written
+    critic, optimizer, scheduler = load_critic(args, accelerator)  # after the policy is prepared
     values = compute_values(critic, batch, plan)           # [N, C], V(s_t) before each completion token
     critic_backward(accelerator, critic, loss, sync)       # in the micro-batch loop
     norm = critic_grad_norm(accelerator, critic, max_norm)  # once per optimizer step
@@ -17,8 +18,32 @@ value on the host.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+
+from common.args import SharedArgs
+
+
+@dataclass
+class CriticArgs(SharedArgs):
+    """The shared flags and the critic's (ppo.py, vapo.py inherit it). The critic's defaults are Open-Reasoner-Zero's
+    (arXiv 2503.24290 §3.1 and its code), ppo.py's; each script overrides those its paper changes."""
+
+    # The critic (common/critic.py)
+    critic_model_name_or_path: str | None = None
+    """the critic's checkpoint, a causal LM whose decoder gets a scalar head (None: the policy's)"""
+    critic_learning_rate: float = 5e-6
+    """the critic's AdamW learning rate"""
+    critic_warmup_steps: int = 50
+    """the critic's linear learning-rate warm-up, in its optimizer steps; constant afterwards"""
+    critic_weight_decay: float = 0.0
+    """the critic's AdamW weight decay"""
+    critic_max_grad_norm: float = 1.0
+    """the critic's gradient clipping"""
+    critic_num_mini_batches: int = 12
+    """the critic's optimizer steps per rollout and epoch"""
 
 
 class TokenValues(nn.Module):
@@ -54,7 +79,7 @@ class TokenValues(nn.Module):
         return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
-def build_critic(path: str, args) -> TokenValues:
+def build_critic(path: str, args: CriticArgs) -> TokenValues:
     """The critic of the checkpoint at `path` (a causal LM: its decoder; the output layer is dropped), fp32 like the
     policy. With --lora-rank the decoder gets adapters of its own (common.run.add_lora: same rank, alpha, targets)
     and only those and the head train: LoRA is there to save memory, which a fully trained critic would spend again.
@@ -77,20 +102,34 @@ def build_critic(path: str, args) -> TokenValues:
     return TokenValues(lm.get_decoder(), config.hidden_size)
 
 
-def load_critic(args, accelerator, path: str, lr: float, warmup_steps: int, weight_decay: float, max_norm: float):
-    """The critic (`build_critic`), AdamW at `lr` with `weight_decay` over its trainable parameters and a linear
-    warm-up of `warmup_steps` optimizer steps then constant (the policy's schedule, common.run.prepare_training), all
-    prepared by accelerate after the policy: DDP, FSDP2 or DeepSpeed as launched. DeepSpeed clips each engine with
-    its config's gradient_clipping, read when the engine is built: `max_norm` is set for the critic's."""
+def load_critic(args: CriticArgs, accelerator):
+    """The critic (`build_critic` of --critic-model-name-or-path, else the policy's checkpoint), AdamW at
+    --critic-learning-rate with --critic-weight-decay over its trainable parameters and a linear warm-up of
+    --critic-warmup-steps optimizer steps then constant (the policy's schedule), all prepared by accelerate after the
+    policy: DDP, FSDP2 or DeepSpeed as launched. DeepSpeed clips each engine with its config's gradient_clipping,
+    read when the engine is built: --critic-max-grad-norm is set for the critic's."""
     from accelerate.utils import DistributedType
 
-    critic = build_critic(path, args)
+    critic = build_critic(args.critic_model_name_or_path or args.model_name_or_path, args)
     trainable = [p for p in critic.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+    optimizer = torch.optim.AdamW(trainable, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay)
+    warmup = args.critic_warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(gradient_clipping=max_norm)
+        accelerator.state.deepspeed_plugin.deepspeed_config.update(gradient_clipping=args.critic_max_grad_norm)
     return accelerator.prepare(critic, optimizer, scheduler)
+
+
+def check_critic_args(args: CriticArgs, vocab: int, world: int) -> None:
+    """Refuses bad critic flags before anything is written: --critic-num-mini-batches outside [1, rows per rank], a
+    critic checkpoint that is not there or cannot read the policy's `vocab` token ids."""
+    per_rank = args.prompts_per_step // world * args.group_size
+    if not 1 <= args.critic_num_mini_batches <= per_rank:
+        raise SystemExit(f"--critic-num-mini-batches must be in [1, {per_rank}] (rows per rank)")
+    if args.critic_learning_rate < 0 or args.critic_warmup_steps < 0 or args.critic_max_grad_norm <= 0:
+        raise SystemExit("--critic-learning-rate and --critic-warmup-steps must be >= 0, --critic-max-grad-norm > 0")
+    if args.critic_model_name_or_path:
+        check_critic_path(args.critic_model_name_or_path, vocab)
 
 
 def check_critic_path(path: str, vocab: int) -> None:

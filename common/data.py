@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.args import SharedArgs
 from common.data_strategies import (
     Demonstration,
     PromptTracker,
@@ -36,6 +37,7 @@ from common.data_strategies import (
 )
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.sampling import Completion, _done
+from common.tool import Tool, ToolConfig, splice_text, tool_config
 
 # Prompt templates
 SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -47,6 +49,14 @@ R1_TEMPLATE = (
     "User: {question}\nAssistant: <think>"
 )
 STOP_STRINGS = {"r1": ["</answer>"]}  # a completion ends there (understand-r1-zero's stop), kept in its text
+# ToRL's prompt for base models with the Python tool (GAIR-NLP/ToRL@cb78cf1, verl/utils/dataset/rl_dataset.py
+# `tir_base_0309`, the template of scripts/torl_1.5b.sh); no stop string of its own: ToRL's turns end at EOS, and the
+# tool's fence (common/tool.py) is the sampler's
+TORL_TEMPLATE = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it.\nUser: "
+    "Please integrate natural language reasoning with programs to solve the problem above, and put your final answer "
+    "within \\boxed{{}}.\n{question}\nAssistant:\n"
+)
 DAPO_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{question}\n\n"
@@ -58,6 +68,7 @@ DEMO_FORMAT = {  # --gt-injection: the bare reference answer as a demonstration,
     "qwen-boxed": "The answer is \\boxed{{{a}}}.",
     "r1": " The answer is {a}. </think> <answer> {a} </answer>",
     "dapo": "Answer: {a}",
+    "torl": "The answer is \\boxed{{{a}}}.",
 }
 
 
@@ -68,6 +79,8 @@ def format_prompt(question: str, template: str, tokenizer) -> str:
         return question
     if template == "r1":
         return R1_TEMPLATE.format(question=question)
+    if template == "torl":
+        return TORL_TEMPLATE.format(question=question)
     if template == "qwen-boxed":
         messages = [{"role": "system", "content": SYSTEM_BOXED}, {"role": "user", "content": question}]
     else:  # DAPO-Math-17k's prompts carry the instruction already
@@ -132,7 +145,7 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
     return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
 
 
-def encode_prompts(questions, answers, tokenizer, args, flag: str, log=print):
+def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, log=print):
     """Tokenised prompts (in --prompt-template) and their answers; prompts over --max-prompt-tokens and
     unparseable answers dropped and counted (refused when more than --max-bad-answer-frac cannot be parsed)."""
     bad = set(find_unparseable_gold(answers))
@@ -192,9 +205,9 @@ class TrainData:
     """The training prompts (token ids) and reference answers, the position in their stream, and the data
     strategies' state: the pass-rate tracker (identical on every rank), this rank's replay buffer, the worked
     solutions (training row -> --solution-column text) and the demonstrations built from them. The strategies read
-    their flags from `args`, the script's Args."""
+    their flags from `args`."""
 
-    args: Any
+    args: SharedArgs
     prompts: list[list[int]]
     golds: list[str]
     tokenizer: Any
@@ -204,6 +217,8 @@ class TrainData:
     demos: dict[int, Demonstration | None] = field(default_factory=dict)
     position: int = 0  # draws from the data stream so far (dapo/cispo: several a step)
     pending: list[dict] = field(default_factory=list)  # rollouts generated ahead (--off-policy-steps), oldest first
+    tool: ToolConfig | None = None  # the Python tool: demonstrations' programs run, their outputs spliced and masked
+    _tool: Tool | None = None
 
     def __post_init__(self) -> None:
         self.tracker = self.tracker or PromptTracker(len(self.prompts))
@@ -265,15 +280,27 @@ class TrainData:
         verifier scores correct in the run's answer format; None if none does (then the group is left as it is)."""
         if row not in self.demos:
             self.demos[row] = None
-            a, tokenizer, solution = self.args, self.tokenizer, self.solutions.get(row)
+            a, solution = self.args, self.solutions.get(row)
             answer_format = answer_format_for(a.prompt_template, a.reward_format)
             for text in demonstrations(self.golds[row], solution, a.prompt_template):
-                ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-                verified = score([text], [self.golds[row]], answer_format=answer_format)[0][0] == 1.0
-                if len(ids) <= a.max_new_tokens and verified:
-                    self.demos[row] = Demonstration(Completion(ids, text, truncated=False), bare=text != solution)
+                c = self._demo_completion(text)
+                verified = score([c.text], [self.golds[row]], answer_format=answer_format)[0][0] == 1.0
+                if len(c.token_ids) <= a.max_new_tokens and not c.truncated and verified:
+                    self.demos[row] = Demonstration(c, bare=text != solution)
                     break
         return self.demos[row]
+
+    def _demo_completion(self, text: str) -> Completion:
+        """A demonstration's completion (EOS appended); with the tool, its programs run and their outputs spliced in
+        as a rollout's (common.tool.splice_text: mask 0 on them), its text the spliced one."""
+        eos = self.tokenizer.eos_token_id
+        if self.tool is None:
+            return Completion(self.tokenizer(text, add_special_tokens=False).input_ids + [eos], text, truncated=False)
+        if self._tool is None:
+            self._tool = Tool(self.tool, self.tokenizer)
+        t = splice_text(text, self._tool, self.args.max_new_tokens - 1)
+        spliced = self.tokenizer.decode(t.token_ids, skip_special_tokens=True)
+        return Completion(t.token_ids + [eos], spliced, t.truncated, None, t.mask + [1], t.stats)
 
     def metrics(self, groups: TrainGroups, accelerator) -> dict[str, float]:
         """data/* metrics, summed (counts) or averaged (pass rate) over ranks; the tracker's quantiles and the share
@@ -330,7 +357,7 @@ class TrainData:
             self.pending.append({k: p[k] for k in ("step", "rows", "policy")} | {"future": _done(completions)})
 
 
-def check_data_args(args) -> None:
+def check_data_args(args: SharedArgs) -> None:
     """One-line SystemExit for bad data-strategy flags (before anything is written)."""
     if args.replay and (args.replay_buffer_size < 1 or args.replay_max_age < 1):
         raise SystemExit(
@@ -348,7 +375,7 @@ def check_data_args(args) -> None:
         raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
 
 
-def load_data(args, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
+def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
     """The training data (None with --total-steps 0: an evaluation-only run reads none) and the evaluation sets
     ({name: (prompt ids, golds)}, empty without --eval-every). `log` (the main process's print) gets one line for each
     setting that quietly does less than it seems to."""
@@ -359,7 +386,7 @@ def load_data(args, tokenizer, log=print) -> tuple[TrainData | None, dict[str, t
         dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log)
-        train = TrainData(args, prompts, golds, tokenizer)
+        train = TrainData(args, prompts, golds, tokenizer, tool=tool_config(args))  # runs demonstrations' programs
         if args.gt_injection and args.solution_column:  # worked solutions, matched to the kept rows by their prompt
             try:
                 solutions = load_rows(*dataset, args.prompt_column, args.solution_column, "--solution-column")[1]

@@ -1,28 +1,14 @@
-"""The data strategies: which prompts a step draws and what a group holds (docs/data_strategies.md). They are part of
-no algorithm's story; all are off by default, and `common.data.TrainData` applies them with identical lines in every
-script.
+"""The data strategies: which prompts a step draws and what a group holds. They are part of no algorithm's story, all
+off by default, and `common.data.TrainData` applies them with the same lines in every script; the definitions and
+measurements are in docs/data_strategies.md.
 
-- `PromptTracker`: per-prompt sample and correct counts over every rollout, gathered over ranks, optionally seeded
-  by `--difficulty-file` (tools/profile_data.py's output). Estimated pass rate: the posterior mean under a
-  Beta(1, 1) prior, (correct + 1) / (samples + 2), so an unseen prompt counts as 0.5. Forgetting: before each
-  step's counts are added, all counts are multiplied by 0.5 ** (1 / --tracker-half-life), so an observation
-  weighs half after that many steps: estimates follow the moving policy, and a prompt not drawn for long drifts
-  back to 0.5 (uncertain) instead of keeping what an early policy did on it.
-- `sampling_weights` / `draw_probabilities` / `draw_prompts`: a prompt at estimated pass rate p has a signal in a
-  group of G completions (some right, some wrong) with probability s(p) = 1 - p^G - (1 - p)^G.
-  `--prompt-sampling medium` weights a prompt by s(p); `curriculum` by s(p) exp(-(p - tau)^2 / (2 * 0.2^2)), the
-  target tau going linearly from 1 (easy) to --curriculum-min-target over the run: easy to hard, but never aiming at
-  prompts a group cannot learn from (a solved prompt, p near 1, has s(p) near 0). A share --uniform-floor of the
-  probability is uniform, P(i) = (1 - f) w_i / sum w + f / N, so no prompt starves; the step's prompts are drawn from
-  P without replacement (successive sampling, as Gumbel top-k), so none takes two groups of a step. The RNG is keyed
-  by (seed, position in the data stream): every rank draws the same list (the tracker is identical everywhere) and
-  takes its slice.
-- `inject_and_replay` (before the batch is built): `--gt-injection` replaces the last completion of an all-wrong
-  group by a verified demonstration (on at most --gt-injection-max-frac of a rank's groups); `--replay` replaces a
-  group with no signal (all rewards equal) by the newest group of a `ReplayBuffer` of high-value groups at most
-  --replay-max-age steps old, whose per-token log-probs under the generating policy were stored. `update_replay`
-  (after the old log-probs): replayed rows take those log-probs, with the ratio of rows with A < 0 capped at
-  REPLAY_RATIO_CAP, and new high-value groups are stored.
+- `PromptTracker`: per-prompt counts over every rollout, gathered over ranks, forgetting with --tracker-half-life;
+  the estimated pass rate is (correct + 1) / (samples + 2), so an unseen prompt counts as 0.5.
+- `draw_probabilities` / `draw_prompts`: --prompt-sampling medium weights a prompt by s(p) = 1 - p^G - (1 - p)^G, the
+  chance that its group has a signal; curriculum also by a Gaussian around a target going from 1 to
+  --curriculum-min-target; a share --uniform-floor is uniform, and a step never draws a prompt twice.
+- `inject_and_replay` (before the batch is built): --gt-injection and --replay; `update_replay` (after the old
+  log-probs): replayed rows take their stored log-probs, and new high-value groups are stored.
 """
 
 from __future__ import annotations
@@ -35,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from common.args import SharedArgs
 from common.sampling import Completion
 
 CURRICULUM_STD = 0.2  # --prompt-sampling curriculum: width of the Gaussian around the moving target pass rate
@@ -116,9 +103,7 @@ def sampling_weights(
 def draw_probabilities(
     pass_rate: np.ndarray, mode: str, progress: float, floor: float, min_target: float, group_size: int
 ) -> np.ndarray:
-    """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor`. (The estimates lie
-    strictly inside (0, 1), so s(p) > 0 and curriculum's Gaussian is >= exp(-12.5) on [0, 1]; in float64 sum w
-    underflows only below p ~ 1e-300 / G.)"""
+    """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor` (w > 0 for 0 < p < 1)."""
     w = sampling_weights(pass_rate, mode, progress, min_target, group_size)
     return (1.0 - floor) * w / w.sum() + floor / len(w)
 
@@ -207,7 +192,7 @@ class TrainGroups:
 
 
 def inject_and_replay(
-    args, buffer: ReplayBuffer, demo, pass_rate, rows, prompts, completions, correct, step: int, keep=None
+    args: SharedArgs, buffer: ReplayBuffer, demo, pass_rate, rows, prompts, completions, correct, step: int, keep=None
 ) -> TrainGroups:
     """The groups to train on. rows/prompts: one per group; completions/correct: per completion; keep: the groups
     trained on, in order (default all; dapo/cispo's kept groups); demo(row): the row's verified Demonstration or
@@ -237,9 +222,10 @@ def inject_and_replay(
             out.bare += d.bare
         elif args.replay and min(group) == max(group) and (old := buffer.pop(step, args.replay_max_age)):
             out.prompts[k], out.fresh[k] = old["prompt"], False
-            stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"])
-            for j, (ids, text, trunc, c, lp) in enumerate(stored):
-                out.completions[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc)
+            masks = old.get("masks") or [None] * len(old["token_ids"])  # with the tool: 0 on its output tokens
+            stored = zip(old["token_ids"], old["texts"], old["truncated"], old["correct"], old["logps"], masks)
+            for j, (ids, text, trunc, c, lp, m) in enumerate(stored):
+                out.completions[k * g + j] = Completion(token_ids=ids, text=text, truncated=trunc, mask=m)
                 out.correct[k * g + j] = c
                 out.stored_logps[k * g + j] = lp
             out.replayed += 1
@@ -248,16 +234,19 @@ def inject_and_replay(
 
 def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_size: int) -> None:
     """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
-    the policy that generated them), raised where needed so that a row with A < 0 starts the step with ratio at
-    most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A unbounded below for A < 0, and a stale token
-    can have a huge ratio). This step's high-value groups enter the buffer with their log-probs and step: a hard
-    prompt solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected group;
-    only groups with signal (0 < #correct < G). The batch's rows must be the groups' completions, in order."""
+    the policy that generated them), raised where needed so that a row with A < 0 (with per-token advantages, a
+    token with A < 0) starts the step with ratio at most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A
+    unbounded below for A < 0, and a stale token can have a huge ratio). This step's high-value groups enter the
+    buffer with their log-probs and step: a hard prompt solved (estimate < REPLAY_HARD), an easy prompt failed
+    (estimate > REPLAY_EASY), or an injected group; only groups with signal (0 < #correct < G). The batch's rows
+    must be the groups' completions, in order."""
     old, g = batch["old_logps"], group_size
     for r, lp in groups.stored_logps.items():
         stored = torch.tensor(lp, dtype=old.dtype, device=old.device)
-        if batch["advantages"][r] < 0:  # pi / pi_old <= cap: log pi_old >= log pi - log cap, pi the policy now
-            stored = torch.maximum(stored, old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP))
+        adv = batch["advantages"][r]  # one per row, or one per token (reinforce_pp.py's [N, T])
+        negative = adv[: len(lp)] < 0 if adv.dim() else adv < 0
+        floor = old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP)  # pi / pi_old <= cap, pi the policy now
+        stored = torch.where(negative, torch.maximum(stored, floor), stored)
         old[r, : len(lp)] = stored
     for k, prompt in enumerate(groups.prompts):
         c = groups.correct[k * g : (k + 1) * g]
@@ -265,14 +254,15 @@ def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_
         if groups.fresh[k] and 0 < sum(c) < g and (hard or easy or groups.injected[k]):
             comps = groups.completions[k * g : (k + 1) * g]
             logps = old[k * g : (k + 1) * g].tolist()
-            buffer.push(
-                {
-                    "prompt": list(prompt),
-                    "token_ids": [list(x.token_ids) for x in comps],
-                    "texts": [x.text for x in comps],
-                    "truncated": [bool(x.truncated) for x in comps],
-                    "correct": [float(x) for x in c],
-                    "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
-                    "step": groups.step,
-                }
-            )
+            stored = {
+                "prompt": list(prompt),
+                "token_ids": [list(x.token_ids) for x in comps],
+                "texts": [x.text for x in comps],
+                "truncated": [bool(x.truncated) for x in comps],
+                "correct": [float(x) for x in c],
+                "logps": [lp[: len(x.token_ids)] for lp, x in zip(logps, comps)],
+                "step": groups.step,
+            }
+            if any(x.mask is not None for x in comps):  # the tool's: its output tokens stay out of the loss
+                stored["masks"] = [x.mask for x in comps]
+            buffer.push(stored)

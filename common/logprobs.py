@@ -11,7 +11,11 @@ d(hidden) and d(weight). Peak extra memory is one chunk x vocab in fp32 instead 
 With kernel="triton" (GPU) the forward is instead one fused Triton kernel (common/triton_logprobs.py) that
 never holds more than a tile of logits; the backward is the same chunked recompute.
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
-drew from; accumulation is fp32 whatever the model dtype. Entropy is returned for logging, without gradient.
+drew from; accumulation is fp32 whatever the model dtype. Under autocast the three GEMMs (h W^T, dlogits W,
+dlogits^T h) take the autocast dtype in the forward and the backward (fp32 accumulation inside the GEMM, the
+softmax in fp32); fp32 and fp64 inputs without autocast multiply in their own dtype. Entropy is returned for
+logging, without gradient. `weights_cast_once` keeps one half-precision copy of each weight for all micro-batches
+of an optimizer step.
 What a model's own forward does to its logits after the output layer is applied too (`LogitTransform`): a scale
 (Cohere's `logit_scale`, Granite's `logits_scaling`) and Gemma's soft cap c tanh(z / c); a model with any other
 head (a bias, several heads) is refused in one line instead of being trained on the wrong log-probs.
@@ -21,11 +25,15 @@ No function here reads a tensor value on the host, so none of them syncs with th
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from common.args import SharedArgs
 
 KERNELS = ("torch", "triton")
 
@@ -71,6 +79,49 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _gemm_dtype(x: Tensor) -> torch.dtype:
+    """The GEMMs' dtype: autocast's under autocast (as `x @ w.T` would be), else x's own; fp64 is never lowered."""
+    device = x.device.type
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+# (id, dtype) -> (weight, its cast), while `weights_cast_once` is open; None outside it
+_CASTS: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] | None = None
+
+
+def _cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """`weight` in `dtype`: cast once per `weights_cast_once` block, else once per call."""
+    if weight.dtype == dtype:
+        return weight
+    if _CASTS is None:
+        return weight.detach().to(dtype)
+    key = (id(weight), dtype)
+    if key not in _CASTS:  # the weight itself is kept too, so its id cannot be reused while the block is open
+        _CASTS[key] = (weight, weight.detach().to(dtype))
+    return _CASTS[key][1]
+
+
+@contextlib.contextmanager
+def weights_cast_once() -> Iterator[None]:
+    """Around the micro-batches of one optimizer step (never around `optimizer.step()`, which would leave the casts
+    stale): each fp32 weight is cast to the autocast dtype once instead of once per micro-batch; values and gradients
+    are unchanged. Torch caches autocast's casts of leaf weights until the outermost autocast block exits (each
+    forward's own, under accelerate); this holds one nesting level open without touching autocast's state, and keeps
+    `chunked_logprobs`' cast of the output layer alike."""
+    global _CASTS
+    outer = _CASTS
+    _CASTS = {} if outer is None else outer
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        _CASTS = outer
+
+
 def _check_kernel(kernel: str) -> None:
     """Rejects unknown kernels, and kernel="triton" without triton installed, before any work is done."""
     if kernel not in KERNELS:
@@ -90,12 +141,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, kernel: str, transform):
+        # Under autocast the GEMMs take its dtype, here and in the backward; otherwise h and w are the inputs.
+        dtype = _gemm_dtype(hidden)
+        h, w = hidden.to(dtype), _cast(weight, dtype)
         if kernel == "triton":  # fused forward; the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
-            h, w, dev = hidden, weight, hidden.device.type
-            if torch.is_autocast_enabled(dev):  # multiply in the autocast dtype, as `hidden @ weight.T` would
-                h, w = (hidden.to(torch.get_autocast_dtype(dev)), weight.to(torch.get_autocast_dtype(dev)))
             logps, entropy, lse = fused_logprobs_forward(h, w, targets, temperature)
         else:
             n, acc = hidden.shape[0], _acc_dtype(hidden)
@@ -104,23 +155,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse = torch.empty(n, dtype=acc, device=hidden.device)
             for s in range(0, n, chunk_size):
                 # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
-                logits = transform((hidden[s : s + chunk_size] @ weight.T).to(acc)).div_(temperature)
+                logits = transform((h[s : s + chunk_size] @ w.T).to(acc)).div_(temperature)
                 lse_c = torch.logsumexp(logits, dim=-1)
                 logps[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None]).squeeze(1) - lse_c
                 logp_all = logits.sub_(lse_c[:, None])
                 entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
                 lse[s : s + chunk_size] = lse_c
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(h, w, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.transform = temperature, chunk_size, transform
+        ctx.dtypes = hidden.dtype, weight.dtype  # the gradients'
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor, grad_entropy: Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors  # in the GEMMs' dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
         acc = _acc_dtype(hidden)
+        grad_h = torch.empty(hidden.shape, dtype=ctx.dtypes[0], device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_logps = grad_logps.to(acc)
         for s in range(0, hidden.shape[0], ctx.chunk_size):
@@ -131,12 +183,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
             d_logits = logits.div_(ctx.temperature).sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
             d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
-            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z)
+            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z).to(weight.dtype)
             if need_h:
-                grad_h[s : s + ctx.chunk_size] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(d_logits.T, h.to(acc))
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+                grad_h[s : s + ctx.chunk_size] = d_logits @ weight
+            if need_w and weight.dtype == acc:
+                grad_w.addmm_(d_logits.T, h)
+            elif need_w:  # a half-precision GEMM, its [V, H] result summed over chunks in fp32
+                grad_w += d_logits.T @ h
+        grad_w = grad_w.to(ctx.dtypes[1]) if need_w else None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -182,14 +237,19 @@ class TokenLogProbs(nn.Module):
     every parameter partitioned in tests/test_distributed.py). Save the LM with `unwrap_model(wrapper).lm
     .save_pretrained(dir, state_dict=...)`, the state dict from `accelerator.get_state_dict(wrapper)` with the
     "lm." prefix removed: under FSDP / ZeRO-3 the module's own tensors are shards.
+    padding_free: the decoder sees the rows' tokens back to back as one sequence, positions restarting at 0 in each
+    row and no attention mask, from which transformers attends within each row (flash-attn's varlen kernel, or a
+    block-diagonal mask for sdpa / eager); only the completion tokens reach the output layer. Same log-probs and
+    gradient on those tokens; 0 on padding. It reads the micro-batch's token count on the host once per forward.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch"):
+    def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch", padding_free: bool = False):
         super().__init__()
         _check_kernel(kernel)
         self.lm = lm
         self.chunk_size = chunk_size
         self.kernel = kernel
+        self.padding_free = padding_free
         self.transform = LogitTransform.of(lm.config)
         head = lm.get_output_embeddings()
         if not isinstance(getattr(head, "weight", None), Tensor) or getattr(head, "bias", None) is not None:
@@ -205,6 +265,8 @@ class TokenLogProbs(nn.Module):
         right-padded completions. Returns (logps, entropy), each [B, L - completion_start]: entry t is
         token `completion_start + t` given everything before it."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.padding_free:
+            return self._packed(input_ids, attention_mask.bool(), position_ids, completion_start, temperature)
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
@@ -213,16 +275,34 @@ class TokenLogProbs(nn.Module):
         weight = self.lm.get_output_embeddings().weight
         return chunked_logprobs(hidden, weight, targets, temperature, self.chunk_size, self.kernel, self.transform)
 
+    def _packed(self, input_ids, keep, position_ids, completion_start, temperature) -> tuple[Tensor, Tensor]:
+        """forward() with padding_free: a row's tokens are contiguous (prompt left-padded, completion right-padded)."""
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids[keep][None], position_ids=position_ids[keep][None], use_cache=False
+        ).last_hidden_state[0]
+        place = keep.flatten().cumsum(0).view(keep.shape) - 1  # each kept token's index in the packed sequence
+        scored = keep[:, completion_start:]  # completion tokens, each predicted from the kept token before it
+        before = place[:, completion_start - 1 : -1][scored]
+        targets = input_ids[:, completion_start:][scored]
+        weight = self.lm.get_output_embeddings().weight
+        logps, entropy = chunked_logprobs(
+            hidden[before], weight, targets, temperature, self.chunk_size, self.kernel, self.transform
+        )
+        zeros = torch.zeros(scored.shape, dtype=logps.dtype, device=logps.device)
+        return zeros.masked_scatter(scored, logps), zeros.masked_scatter(scored, entropy)
+
 
 def compute_logps(policy, batch: dict, temperature: float, plan: list[tuple[list[int], int, int]]) -> Tensor:
     """Per-token log-probs [N, C] of a whole rollout `batch` under `policy` at `temperature`, without gradient, one
-    micro-batch of `plan` (common.batching.micro_batches) at a time (zeros past each micro-batch's width)."""
+    micro-batch of `plan` (common.batching.micro_batches) at a time (zeros past each micro-batch's width), each weight
+    cast once for all of them."""
     from common.batching import micro_batch
 
     logps = torch.zeros(batch["mask"].shape, device=batch["ids"].device)
-    for rows, p_w, c_w in plan:
-        mb = micro_batch(batch, rows, p_w, c_w)
-        logps[mb["rows"], :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
+    with weights_cast_once():
+        for rows, p_w, c_w in plan:
+            mb = micro_batch(batch, rows, p_w, c_w)
+            logps[mb["rows"], :c_w] = policy(mb["ids"], mb["attn"], p_w, temperature)[0].to(logps.dtype)
     return logps
 
 
@@ -260,7 +340,7 @@ class LogprobCanary:
         return {k: v.to(dtype) for k, v in stats.items()}
 
 
-def rollout_correction(old_logps, rollout_logps, mask, args, num_tokens=None):
+def rollout_correction(old_logps, rollout_logps, mask, args: SharedArgs, num_tokens=None):
     """Rollout correction for the sampler/trainer mismatch: a detached weight on each token's policy-loss
     term (never on a KL term), from w = exp(old_logps - rollout_logps) per token (--rollout-correction token-*) or
     exp(the sum of that log-ratio over the sequence's tokens) per sequence (sequence-*), capped at

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from common.args import SharedArgs
 from common.reward import extract_final_answer, score
 
 REFLECTION_WORDS = (
@@ -188,7 +189,7 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
     return float(np.mean([score[a] for a in tied]))
 
 
-def evaluate(sampler, eval_sets, args) -> dict[str, float]:
+def evaluate(sampler, eval_sets, args: SharedArgs) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k =
     --eval-samples per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
     --eval-max-new-tokens, the final answer read in the run's resolved --reward-format."""
@@ -257,7 +258,7 @@ def step_metrics(accelerator, completions, correct, rewards, reward_info, stats,
     update's sums (update_policy: means over the rollout, EXTREMES as extremes) and values that are the same on every
     rank (floats); timer: the step's phases."""
     device = correct.device
-    lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
+    lengths = torch.tensor([c.model_tokens() for c in completions], device=device)  # the tool's tokens aside
     truncated = torch.tensor([c.truncated for c in completions], device=device)
     all_lengths = gather(accelerator, lengths)
     counts = [reward_info["timeouts"] + reward_info["errors"], reward_info["format_errors"]]
@@ -272,6 +273,8 @@ def step_metrics(accelerator, completions, correct, rewards, reward_info, stats,
     metrics["train/reward_timeouts"] = failed.item()  # verifications that timed out or failed, scored 0
     metrics["train/format_error_frac"] = format_errors.item() / len(all_lengths)
     metrics.update(health_metrics([c.text for c in completions], correct, lengths, group_size, accelerator))
+    if completions and completions[0].tool is not None:  # a run with the tool (common/tool.py)
+        metrics.update(tool_metrics(accelerator, completions))
     for k, v in stats.items():
         if isinstance(v, torch.Tensor):
             v = gather(accelerator, v)
@@ -281,6 +284,32 @@ def step_metrics(accelerator, completions, correct, rewards, reward_info, stats,
     metrics.update({f"time/{k}": v for k, v in timer.laps.items()})
     metrics.update({"time/step": step_time, "time/tokens_per_s": all_lengths.sum().item() / step_time})
     return metrics
+
+
+def tool_metrics(accelerator, completions) -> dict[str, float]:
+    """tool/ metrics of a rollout with the tool, over all ranks: programs per completion, the share of completions
+    that ran one, the share of programs that failed or timed out, the programs' seconds (summed; they run in parallel,
+    so more than the step's wall time is possible) and the share of them that overlapped generation, and the tool's
+    output tokens per completion (in the sequence, out of the loss)."""
+    rows = [
+        [t.calls, t.calls > 0, t.errors, t.timeouts, t.seconds, t.overlap_seconds, len(c.token_ids) - c.model_tokens()]
+        for c in completions
+        if (t := c.tool) is not None
+    ]
+    totals = torch.tensor(rows or [[0.0] * 7], dtype=torch.float64, device=accelerator.device).sum(0)
+    count = torch.tensor([float(len(rows))], dtype=torch.float64, device=accelerator.device)
+    calls, used, errors, timeouts, seconds, overlap, tokens, n = accelerator.reduce(
+        torch.cat([totals, count]), "sum"
+    ).tolist()
+    return {
+        "tool/calls_per_completion": calls / max(n, 1.0),
+        "tool/call_frac": used / max(n, 1.0),
+        "tool/error_frac": errors / calls if calls else float("nan"),
+        "tool/timeout_frac": timeouts / calls if calls else float("nan"),
+        "tool/seconds": seconds,
+        "tool/overlap_frac": overlap / seconds if seconds else float("nan"),
+        "tool/output_tokens_mean": tokens / max(n, 1.0),
+    }
 
 
 def rollout_metrics(correct, lengths, rewards, truncated, group_size: int) -> dict[str, float]:

@@ -1,34 +1,11 @@
-"""Math answer reward: math-verify on the completion's final answer, bounded in time and memory.
+"""Math answer reward: math-verify on the completion's final answer, bounded in time and memory; nothing is `eval`-ed.
 
-Extraction is plain string scanning in the caller, in one of five answer formats (`ANSWER_FORMATS`): "boxed", the
-last `\\boxed{}` / `\\fbox{}` (Qwen-Math's verifier, Dr. GRPO's official code); "answer-line", the last `Answer: ...`
-in the last 300 characters (DAPO's verifier, verl `math_dapo`); "answer-line-strict", math_dapo's verdict exactly
-(its string normalisation and equality, no math-verify); "answer-tag", the last `<answer>...</answer>` (the R1
-template); "any", the first of those found, else the last number of the last line (bare-answer data). A completion
-with no answer in the required format is a format error and scores 0. Before math-verify, a number written `NeM`
-(`3.83e35`, `6.6E-34`) becomes `N \\times 10^{M}` on both sides (`sci_to_latex`): math-verify reads a bare e as
-Euler's number. An answer longer than `MAX_ANSWER_CHARS` or holding lone surrogates scores 0 as an error without
-being parsed; one equal to the gold string scores 1 without math-verify. Nothing is ever `eval`-ed.
-
-Parsing (gold cached once per worker) and `verify` run in worker processes, by default as many as the cores
-this process may use divided among the node's local ranks (`default_workers`; `set_workers` overrides). A worker is
-`python -c` running this very file: not a fork of the trainer (no torch, CUDA or NCCL state) and, unlike a
-'spawn' multiprocessing child, it never re-imports the training script; it imports only math-verify. Each
-worker caps its address space and CPU time and arms a SIGALRM timer per item (math-verify's own signal
-timeouts need a main thread, which the worker loop is). Work goes out in chunks and comes back one result per
-item. The caller watches progress with `select`: a worker silent for `timeout_s + 1` s (stuck in C code, where
-no signal handler runs, e.g. big-integer arithmetic) is killed; the item it was on scores 0 as a timeout, the
-rest of its chunk is queued again and a fresh worker takes its place, so one bad item never zeroes its
-neighbours and later calls still work. A worker whose own alarm cut an item short is replaced the same way: the
-interrupted parse may leave math-verify's and sympy's caches half-updated. The pool starts on first use, is
-reused, is re-created in a forked child and is killed at exit.
-
-Integer answers (a predicted and a gold answer that are both integers of at most 30 digits) never reach
-math-verify: its verdict on two integers is integer equality (its string, numeric and symbolic checks all reduce
-to it; tests/test_reward_workers.py compares), so they are decided in the calling process, in microseconds and
-without the round trip to a worker. Most math answers (AIME, GSM8K, much of MATH) are integers. With
-`set_workers(0)` every other item is scored by math-verify in the calling process, bounded in time by the same
-SIGALRM timer (main thread only; elsewhere one worker is used) but not in memory.
+The final answer is found by string scanning, in one of `ANSWER_FORMATS` (docs/algorithms.md "Answer formats"); a
+completion without one in the required format is a format error and scores 0. math-verify runs in worker processes
+started as `python -c` on this file (not forks of the trainer: no torch, CUDA or NCCL state), each with capped memory
+and CPU time and a SIGALRM per item; a worker silent past its timeout (stuck in C code) is killed and replaced, and
+only the item it was on scores 0, as a timeout. Integer answers are compared here, without a worker: math-verify's
+verdict on two integers is their equality. docs/benchmarks.md "Reward scoring" has the rest.
 """
 
 from __future__ import annotations
@@ -72,12 +49,18 @@ _INTEGER = re.compile(r"-?\d{1,30}")  # decided without math-verify (see the mod
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-line-strict", "answer-tag")
-TEMPLATE_ANSWER_FORMATS = {"none": "any", "qwen-boxed": "boxed", "dapo": "answer-line", "r1": "answer-tag"}
+TEMPLATE_ANSWER_FORMATS = {
+    "none": "any",
+    "qwen-boxed": "boxed",
+    "dapo": "answer-line",
+    "r1": "answer-tag",
+    "torl": "boxed",
+}
 
 
 def answer_format_for(prompt_template: str, reward_format: str = "auto") -> str:
     """The answer format a script scores with: --reward-format, or with "auto" the one its --prompt-template asks for
-    (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag)."""
+    (none: any, qwen-boxed: boxed, dapo: answer-line, r1: answer-tag, torl: boxed)."""
     return TEMPLATE_ANSWER_FORMATS[prompt_template] if reward_format == "auto" else reward_format
 
 
@@ -181,15 +164,8 @@ def _extract(text: str, limit: int | None, answer_format: str = "any") -> str | 
 
 
 def extract_final_answer(text: str, answer_format: str = "any") -> str | None:
-    """The completion's final answer in `answer_format`, None if it has none there (a format error).
-
-    "any": the first of the last `\\boxed{}`/`\\fbox{}` content (balanced braces); the last `<answer>...</answer>`
-    (a box inside wins); the last line starting `Answer:` / `Final answer:`; the last number on the last line (bare
-    answers such as "7", thousands commas dropped). "boxed": the last box only. "answer-tag": the last
-    `<answer>...</answer>` only (a box inside wins). "answer-line": the last `Answer: ...` (case-insensitive, anywhere
-    on a line, as verl's math_dapo) within the last 300 characters; a box opening on it wins (no answer if it never
-    closes), else trailing periods and `**` go. `$...$`, `\\(...\\)` and `\\[...\\]` wrappers are removed.
-    "answer-line-strict": the same line as math_dapo normalises it (`dapo_normalize`), nothing else removed."""
+    """The completion's final answer in `answer_format` (docs/algorithms.md "Answer formats"), None if it has none
+    there (a format error)."""
     return _extract(text, None, answer_format)
 
 
@@ -218,9 +194,8 @@ def sci_to_latex(answer: str) -> str:
 
 @functools.lru_cache(maxsize=1 << 16)
 def parse_gold(answer: str) -> list[Any]:
-    """math-verify's parse of a gold answer (bare `\\sqrt{18}`, `3/4`, `B`, or a full solution whose last
-    `\\boxed{}` holds it), cached. `[]` or a list without a sympy object means unparseable. No timeout here:
-    the scoring workers bound it; use `find_unparseable_gold` for a bounded check."""
+    """math-verify's parse of a gold answer (bare, or a solution whose last `\\boxed{}` holds it), cached; no sympy
+    object in it means unparseable. Unbounded: `find_unparseable_gold` is the bounded check."""
     return _parse(gold_text(answer))
 
 

@@ -1,7 +1,7 @@
 """Run mechanics shared by every script (docs/design.md "Reliability"): the setup calls a script's main() makes, in
 order, and what a run does around its loop.
 
-    accelerator = start(args)                     # the flags every script has; "auto" modes resolved; Accelerator
+    args, accelerator = start(args)               # "auto" modes resolved into a copy; flags checked; Accelerator
     tokenizer, model = load_model(args)           # the policy, or one line naming --model-name-or-path
     data, eval_sets = load_data(args, ...)        # common/data.py
     run = open_run(args, accelerator)             # run directory, args.json, TensorBoard, log(), signals
@@ -30,19 +30,26 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.args import SharedArgs
 from common.data import check_data_args
+from common.kernels import compile_decoder_layers, padding_free_attention, use_liger_kernels
 from common.logprobs import TokenLogProbs
 from common.metrics import log_samples
 from common.reward import answer_format_for, set_workers
 from common.sampling import iter_weight_buckets, make_sampler, resolve_sampler
+from common.sandbox import require_sandbox
+from common.tool import tool_config
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
-def check_shared_args(args) -> None:
+def check_shared_args(args: SharedArgs) -> None:
     """Refuses a bad value of a flag every script has, before anything is written."""
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
@@ -80,10 +87,13 @@ def check_shared_args(args) -> None:
         raise SystemExit("--lora-rank must be >= 0 (0: full fine-tuning), --lora-alpha > 0, --lora-dropout in [0, 1)")
     if args.lora_sync == "adapter" and (args.lora_rank == 0 or args.sampler != "vllm" or args.vllm_mode != "colocate"):
         raise SystemExit("--lora-sync adapter needs --lora-rank > 0 and the colocated vLLM engine (--sampler vllm)")
+    if args.tool == "python":
+        tool_config(args)  # a bad --tool-* value: one line
+        require_sandbox(args.tool_sandbox)  # bubblewrap missing or unable to run here: one line
     check_data_args(args)
 
 
-def check_world(args, world: int) -> None:
+def check_world(args: SharedArgs, world: int) -> None:
     """Refuses a step that cannot be split evenly over `world` processes and --num-mini-batches."""
     if args.prompts_per_step % world:
         raise SystemExit(
@@ -96,28 +106,51 @@ def check_world(args, world: int) -> None:
         )
 
 
-def start(args):
-    """Checks the flags every script has, resolves the modes "auto" picks into `args` (so args.json records what ran:
-    --sampler, --reward-format from the template, --rollout-correction from the sampler), and returns the Accelerator
-    (on a CPU over gloo). With --total-steps 0 and --resume RUN_DIR the run evaluates RUN_DIR's last checkpoint: its
-    model/ becomes --model-name-or-path (in a new run directory; RUN_DIR is not touched)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+# the flags whose "auto" (or --resume with --total-steps 0) start() decides; args.json keeps both values
+RESOLVED = ("sampler", "reward_format", "rollout_correction", "mixed_precision", "model_name_or_path")
 
+
+def resolve_modes(args: SharedArgs) -> SharedArgs:
+    """A copy of `args` with every "auto" decided, its `requested` holding what the command line asked for where the
+    two differ. With --total-steps 0 and --resume RUN_DIR the model is RUN_DIR's last checkpoint (evaluated in a new
+    run directory; RUN_DIR is not touched)."""
     if args.vllm_mode == "server" and args.sampler == "hf":
         raise SystemExit("--vllm-mode server samples with the vLLM server: drop --sampler hf")
     try:
-        args.sampler = resolve_sampler("vllm" if args.vllm_mode == "server" else args.sampler)
+        sampler = resolve_sampler("vllm" if args.vllm_mode == "server" else args.sampler)
     except RuntimeError as e:
         raise SystemExit(str(e)) from None
+    correction = args.rollout_correction
+    if correction == "auto":  # HF generate's log-probs are the trainer's own, unless off-policy
+        correction = "none" if sampler == "hf" and not args.off_policy_steps else "token-truncate"
+    mixed = args.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() else "no"
+    model = args.model_name_or_path
+    checkpoints = complete_checkpoints(args.resume) if args.resume else []
+    if checkpoints and args.total_steps == 0:
+        model = os.path.join(checkpoints[-1], "model")
+    resolved = replace(
+        args,
+        sampler=sampler,
+        reward_format=answer_format_for(args.prompt_template, args.reward_format),
+        rollout_correction=correction,
+        mixed_precision=mixed,
+        model_name_or_path=model,
+    )
+    resolved.requested = {k: getattr(args, k) for k in RESOLVED if getattr(args, k) != getattr(resolved, k)}
+    return resolved
+
+
+def start(args: SharedArgs) -> tuple[SharedArgs, Accelerator]:
+    """The flags with their "auto" modes resolved (`resolve_modes`) and checked, and the Accelerator (on a CPU over
+    gloo). The caller's args are left as they were."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+    args = resolve_modes(args)
     check_shared_args(args)
     set_workers(args.reward_workers)
-    args.reward_format = answer_format_for(args.prompt_template, args.reward_format)
-    if args.rollout_correction == "auto":  # HF generate's log-probs are the trainer's own, unless off-policy
-        args.rollout_correction = "none" if args.sampler == "hf" and not args.off_policy_steps else "token-truncate"
-    if args.resume and args.total_steps == 0:
-        args.model_name_or_path = os.path.join(complete_checkpoints(args.resume)[-1], "model")
-    mixed = args.mixed_precision if args.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
     cpu, use_deepspeed = (
         not torch.cuda.is_available(),
@@ -125,7 +158,7 @@ def start(args):
     )
     accelerator = Accelerator(
         cpu=cpu and not use_deepspeed,
-        mixed_precision=mixed,
+        mixed_precision=args.mixed_precision,
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
     )
     check_world(args, accelerator.num_processes)
@@ -135,6 +168,11 @@ def start(args):
             "would silently run DDP); on a CPU use DDP or DeepSpeed ZeRO-3 (docs/gpu.md)"
         )
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    if args.tool == "python" and args.sampler == "hf" and sharded:
+        raise SystemExit(
+            f"--tool python with HF generate under {accelerator.distributed_type.value}: the ranks would generate "
+            "different numbers of rounds over sharded weights; use --sampler vllm, or DDP"
+        )
     if args.lora_rank > 0 and sharded:
         raise SystemExit(
             f"--lora-rank under {accelerator.distributed_type.value}: LoRA runs on one process or under DDP "
@@ -145,10 +183,10 @@ def start(args):
             f"note: --lora-rank {args.lora_rank} at --learning-rate {args.learning_rate:g}, a full fine-tuning rate: "
             "LoRA learns at ~10x the full fine-tuning rate (docs/lora.md)"
         )
-    return accelerator
+    return args, accelerator
 
 
-def load_model(args):
+def load_model(args: SharedArgs):
     """The tokenizer (left padding, for generation; pad = EOS when it has no pad token) and the policy in fp32 (mixed
     precision comes from accelerate; with --lora-rank, wrapped in LoRA adapters: `add_lora`), or one line naming
     --model-name-or-path."""
@@ -168,13 +206,26 @@ def load_model(args):
     model.config.use_cache = False
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    speed_paths(args, model)
     max_model_len(args, model)  # refused now, before the run directory is written
     if args.lora_rank > 0:
         model = add_lora(model, args)
     return tokenizer, model
 
 
-def max_model_len(args, model) -> int:
+def speed_paths(args: SharedArgs, model) -> None:
+    """--padding-free's varlen attention, --liger-kernel, --torch-compile (common/kernels.py), before LoRA and
+    accelerate wrap the model: how it computes, not what."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.padding_free:
+        padding_free_attention(model, device)
+    if args.liger_kernel:
+        use_liger_kernels(model, device)
+    if args.torch_compile:
+        compile_decoder_layers(model)
+
+
+def max_model_len(args: SharedArgs, model) -> int:
     """The longest sequence a run samples: the longest prompt plus the larger of the training and evaluation budgets;
     refused in one line beyond the model's positions when sampling with vLLM, which would refuse it."""
     eval_tokens = args.eval_max_new_tokens if args.eval_every > 0 else 0
@@ -188,7 +239,7 @@ def max_model_len(args, model) -> int:
     return length
 
 
-def add_lora(model, args):
+def add_lora(model, args: SharedArgs):
     """The model with LoRA adapters (peft) of rank --lora-rank on --lora-target-modules (all-linear: every linear
     layer but the output layer, as "LoRA Without Regret" and TRL's recipe), scaled by --lora-alpha / r, with
     --lora-dropout. Only the adapters train; A is random (seeded by --seed), B = 0, so training starts at the base
@@ -217,8 +268,8 @@ class Run:
     """The run directory and what writes to it: args.json, TensorBoard events and metrics.jsonl (`log`, main process
     only), samples.jsonl; and what every rank needs around the loop (stop signals, non-finite updates)."""
 
-    args: Any
-    accelerator: Any
+    args: SharedArgs
+    accelerator: Accelerator
     dir: str
     writer: Any = None  # TensorBoard's SummaryWriter on the main process, None elsewhere
     step_seconds: list[float] = field(default_factory=list)  # time/step of the steps logged by this process
@@ -281,10 +332,10 @@ def close_run(accelerator, writer=None, sampler=None) -> None:
     gc.collect()
 
 
-def open_run(args, accelerator) -> Run:
-    """The run directory (see `new_run_dir`), with args.json (the flags, and under "run" what reproducing the run
-    needs: `run_info`), TensorBoard events (and Weights & Biases with --track) on the main process; seeds the RNGs
-    and catches SIGINT / SIGTERM."""
+def open_run(args: SharedArgs, accelerator) -> Run:
+    """The run directory (see `new_run_dir`), with args.json (the flags as they ran; under "requested" what start()
+    resolved them from; under "run" what reproducing the run needs: `run_info`), TensorBoard events (and Weights &
+    Biases with --track) on the main process; seeds the RNGs and catches SIGINT / SIGTERM."""
     from accelerate.utils import broadcast_object_list
     from torch.utils.tensorboard import SummaryWriter
 
@@ -292,8 +343,11 @@ def open_run(args, accelerator) -> Run:
     random_seed(args.seed)
     if accelerator.is_main_process:
         os.makedirs(run.dir, exist_ok=True)
+        flags = asdict(args)
+        requested = flags.pop("requested")  # what the command line asked for where start() resolved an "auto"
+        record = {**flags, "requested": requested, "run": run_info(accelerator.device, accelerator.num_processes)}
         with open(os.path.join(run.dir, "args.json"), "w") as f:
-            json.dump({**asdict(args), "run": run_info(accelerator.device, accelerator.num_processes)}, f, indent=2)
+            json.dump(record, f, indent=2)
         if args.track:  # Weights & Biases syncs the TensorBoard events written below
             start_tracking(args.wandb_project_name, args.wandb_entity, args.exp_name, run.dir)
         run.writer = SummaryWriter(run.dir)
@@ -315,13 +369,15 @@ def random_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_training(args, model, accelerator):
+def prepare_training(args: SharedArgs, model, accelerator):
     """The policy (`TokenLogProbs` around the model), AdamW at --learning-rate with --weight-decay, a linear warm-up
     of --warmup-steps optimizer steps then constant, all prepared by accelerate (DDP, FSDP or DeepSpeed as launched;
     DeepSpeed's engine clips and steps with our values, not its config's)."""
     from accelerate.utils import DistributedType
 
-    policy = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel)
+    policy = TokenLogProbs(
+        model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free
+    )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -343,12 +399,12 @@ class WithoutAdapters(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *inputs, **kwargs):
         with self.policy.lm.disable_adapter():
-            return self.policy(*args, **kwargs)
+            return self.policy(*inputs, **kwargs)
 
 
-def load_reference(args, accelerator, policy):
+def load_reference(args: SharedArgs, accelerator, policy):
     """The KL term's reference: with --lora-rank the policy without its adapters (`WithoutAdapters`), else a frozen
     copy of the policy's checkpoint as a TokenLogProbs, on the accelerator's device, or under DeepSpeed ZeRO-3 sharded
     like the policy (it was loaded partitioned) in an engine without an optimizer."""
@@ -360,7 +416,9 @@ def load_reference(args, accelerator, policy):
 
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     model = model.eval().requires_grad_(False)
-    ref = TokenLogProbs(model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel).to(accelerator.device)
+    speed_paths(args, model)
+    kw = dict(chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free)
+    ref = TokenLogProbs(model, **kw).to(accelerator.device)
     if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
 
@@ -368,14 +426,15 @@ def load_reference(args, accelerator, policy):
     return ref
 
 
-def load_sampler(args, model, tokenizer, accelerator):
+def load_sampler(args: SharedArgs, model, tokenizer, accelerator):
     """The --sampler (common.sampling.make_sampler) for this rank (seed + rank * 100003): vLLM with the --vllm-*
     settings, room for `max_model_len`, and the template's stop strings. --vllm-mode server: a
     client of tools/vllm_server.py (common.vllm_server), given the model's weights first (the server may hold
-    another run's)."""
+    another run's). With --tool python the sampler runs the model's programs (common/tool.py)."""
     from common.data import STOP_STRINGS
 
     seed, stop = args.seed + accelerator.process_index * 100003, STOP_STRINGS.get(args.prompt_template, [])
+    tool = tool_config(args)
     if args.vllm_mode == "server":
         from common.vllm_server import ServerSampler
 
@@ -386,7 +445,15 @@ def load_sampler(args, model, tokenizer, accelerator):
             accelerator.num_processes,
         )
         sampler = ServerSampler(
-            host, port, seed=seed, timeout=args.vllm_server_timeout, stop=stop, rank=rank, world=world
+            host,
+            port,
+            seed=seed,
+            timeout=args.vllm_server_timeout,
+            stop=stop,
+            rank=rank,
+            world=world,
+            tool=tool,
+            tokenizer=tokenizer,
         )
         sampler.update_weights(model)
         return sampler
@@ -408,10 +475,11 @@ def load_sampler(args, model, tokenizer, accelerator):
         max_model_len=max_model_len(args, model),
         stop=stop,
         lora_rank=args.lora_rank if args.lora_sync == "adapter" else 0,
+        tool=tool,
     )
 
 
-def new_run_dir(args, broadcast_object_list) -> str:
+def new_run_dir(args: SharedArgs, broadcast_object_list) -> str:
     """The run directory: --resume's when training on, else <output-dir>/<exp-name>__<seed>__<unix time> with rank
     0's time (it is created later, by rank 0). Refused when it exists already or --output-dir cannot hold it."""
     if args.resume and args.total_steps > 0:
@@ -453,7 +521,7 @@ def trim_logs(run_dir: str, start_step: int) -> None:
                 f.writelines(rows)
 
 
-def resume(args, run: Run, policy, sampler, data) -> int:
+def resume(args: SharedArgs, run: Run, policy, sampler, data) -> int:
     """Restores the run's last checkpoint (model, optimizer, scheduler, RNG and what the script registered for
     checkpointing; the sampler's seed counter, the data stream and strategies), pushes the weights to the sampler and
     forgets what was logged after the checkpoint. Returns the step to continue from."""

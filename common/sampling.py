@@ -31,17 +31,20 @@ GPU session could not install it): sleep mode, bf16 kernels and CUDA graphs are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+from common.tool import Segment, Tool, ToolConfig, ToolStats, Trajectory
 
 __all__ = [
     "Completion",
@@ -80,7 +83,21 @@ class Completion:
     truncated: bool
     """True when generation hit max_new_tokens without EOS (vLLM finish_reason == "length")"""
     logprobs: list[float] | None = None
-    """the sampler's log-prob of each generated token after temperature and top-p, when available"""
+    """the sampler's log-prob of each generated token after temperature and top-p, when available (0.0 on
+    tool-output tokens, which the mask leaves out)"""
+    mask: list[int] | None = None
+    """with the tool: 1 for each token the model sampled, 0 for the tool's output tokens; None: every token is the
+    model's (common.batching.make_batch folds it into the loss mask)"""
+    tool: ToolStats | None = None
+    """with the tool: its use in this completion (calls, errors, timeouts, seconds); None without the tool"""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tool, dict):  # read back from a checkpoint's JSON
+            self.tool = ToolStats(**self.tool)
+
+    def model_tokens(self) -> int:
+        """How many of the tokens the model sampled (all of them without the tool)."""
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
 
 
 @runtime_checkable
@@ -324,6 +341,22 @@ class _ProcessedLogProbs:
         return torch.stack(self.steps, dim=1)
 
 
+class _ReportStops:
+    """A stopping criterion: transformers' StopStringCriteria, which also calls `on_stop(row, generated ids)` the
+    step a row first meets a stop string (the tool starts its program there, while the other rows go on)."""
+
+    def __init__(self, inner, width: int, on_stop):
+        self.inner, self.width, self.on_stop, self.seen = inner, width, on_stop, set()
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        done = self.inner(input_ids, scores, **kwargs)
+        for row in done.nonzero().flatten().tolist():
+            if row not in self.seen:
+                self.seen.add(row)
+                self.on_stop(row, input_ids[row, self.width :].tolist())
+        return done
+
+
 @contextlib.contextmanager
 def _quiet_generation():
     """Silences transformers' generation-config chatter (warnings and logger lines) for one call."""
@@ -337,6 +370,15 @@ def _quiet_generation():
             yield
     finally:
         hf_logging.set_verbosity(level)
+
+
+def _zero3() -> bool:
+    """Whether DeepSpeed ZeRO-3 is on (transformers then syncs every rank's generate steps)."""
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def _eos_ids(tokenizer: Any, model: nn.Module) -> list[int]:
@@ -379,6 +421,7 @@ class HFSampler:
         seed: int = 0,
         stop: Sequence[str] = (),
         fsdp_root: nn.Module | None = None,
+        tool: ToolConfig | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -396,6 +439,12 @@ class HFSampler:
         self.eos_token_ids = _eos_ids(tokenizer, gen_model)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+        if tool is not None and (fsdp_root is not None or _zero3()):
+            raise ValueError(
+                "the tool with HF generate under FSDP / ZeRO-3: sharded generation needs every rank to generate in "
+                "step, and with the tool each rank's completions take their own number of rounds; use the vLLM sampler"
+            )
+        self.tool = Tool(tool, tokenizer) if tool is not None else None
 
     def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> Future:
         """`generate` now (in this process), as a completed future."""
@@ -416,7 +465,9 @@ class HFSampler:
         self.calls = int(state["calls"])
 
     def close(self) -> None:
-        """No-op (no engine)."""
+        """Stops the tool's pool, if any (no engine)."""
+        if self.tool is not None:
+            self.tool.close()
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int
@@ -443,15 +494,81 @@ class HFSampler:
                 if device.type == "cuda":
                     with torch.cuda.device(device):
                         torch.cuda.manual_seed(seed)
+                if self.tool is not None:
+                    return self._generate_tool(model, device, prompt_token_ids, n, temperature, top_p, max_new_tokens)
                 for i in range(0, len(prompt_token_ids), self.batch_size):
                     chunk = prompt_token_ids[i : i + self.batch_size]
-                    out += self._generate_batch(model, device, chunk, n, temperature, top_p, max_new_tokens)
+                    rows = 1 if temperature <= 0 else n  # greedy: one decode per prompt, copied n times
+                    segments = self._generate_batch(
+                        model, device, chunk, rows, temperature, top_p, max_new_tokens, self.stop
+                    )
+                    for seg in segments:
+                        c = Completion(seg.token_ids, seg.text, seg.truncated, seg.logprobs)
+                        out += [c] if rows == n else [_copy(c) for _ in range(n)]
         finally:
             for m, training in modes:
                 m.training = training
             if self.fsdp_root is not None:
                 self.fsdp_root.reshard()
         return out
+
+    def _generate_tool(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        prompts: list[list[int]],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+    ) -> list[Completion]:
+        """`generate` with the tool (common/tool.py): rounds of generation, each on the trajectories still going (the
+        first round as without the tool, the later ones one row per trajectory, its prompt and tokens so far as the
+        prefix, grouped by stop strings); a batch's programs start as soon as it is generated, beside the next batch,
+        and their outputs are appended at the end of the round."""
+        tool, greedy = self.tool, temperature <= 0
+        rows = 1 if greedy else n
+        trajectories = [Trajectory(i, j) for i in range(len(prompts)) for j in range(rows)]
+        first = True
+        while live := [t for t in trajectories if not t.done]:
+            batches = []  # (prefixes, their trajectories, rows per prefix, stop strings)
+            if first:
+                for i in range(0, len(prompts), self.batch_size):
+                    chunk = prompts[i : i + self.batch_size]
+                    members = [t for t in live if i <= t.prompt < i + len(chunk)]
+                    batches.append((chunk, members, rows, live[0].stops(self.stop, tool.config)))
+            else:
+                by_stops: dict[tuple[str, ...], list[Trajectory]] = {}
+                for t in live:
+                    by_stops.setdefault(tuple(t.stops(self.stop, tool.config)), []).append(t)
+                for stops, group in by_stops.items():
+                    for i in range(0, len(group), self.batch_size):
+                        members = group[i : i + self.batch_size]
+                        prefixes = [prompts[t.prompt] + t.token_ids for t in members]
+                        batches.append((prefixes, members, 1, list(stops)))
+            for prefixes, members, k, stops in batches:
+                budget = max(max_new_tokens - len(t.token_ids) for t in members)
+
+                def start(row: int, ids: list[int], members=members, stops=stops) -> None:
+                    members[row].start(ids, self._stop_text(ids, stops), max_new_tokens, tool)
+
+                with tool.clock.busy():
+                    segments = self._generate_batch(
+                        model, device, prefixes, k, temperature, top_p, budget, stops, start
+                    )
+                for t, seg in zip(members, segments):
+                    t.add(seg, max_new_tokens, tool)  # the program started above, or now
+            for t in live:
+                t.splice(max_new_tokens, tool)
+            first = False
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        return _tool_completions(trajectories, decode, self.stop, n, greedy)
+
+    def _stop_text(self, ids: list[int], stop: list[str]) -> str:
+        """The text of generated ids cut after the stop string they hold (a segment's text)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        end = _stop_end(text, stop)
+        return text if end is None else text[:end]
 
     def _generate_batch(
         self,
@@ -462,8 +579,12 @@ class HFSampler:
         temperature: float,
         top_p: float,
         max_new_tokens: int,
-    ) -> list[Completion]:
-        from transformers import GenerationConfig, LogitsProcessorList
+        stop: list[str],
+        on_stop=None,
+    ) -> list[Segment]:
+        """n rows per prompt (left-padded together), each its generated ids cut after EOS or the token that
+        completed a stop string. `on_stop(row, ids)`: called as a row stops at a stop string, while the others go on."""
+        from transformers import GenerationConfig, LogitsProcessorList, StopStringCriteria
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -472,13 +593,12 @@ class HFSampler:
             ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             attn[row, width - len(p) :] = 1
         greedy = temperature <= 0
-        rows = 1 if greedy else n  # greedy: one decode per prompt, copied n times below
         # Everything that shapes the distribution is explicit; the temporary empty model generation config
         # below keeps the checkpoint's generation_config.json (top_k, repetition_penalty, ...) out.
         config = GenerationConfig(
             do_sample=not greedy,
             num_beams=1,
-            num_return_sequences=rows,
+            num_return_sequences=n,
             max_new_tokens=max_new_tokens,
             temperature=1.0,
             top_p=1.0,
@@ -487,8 +607,9 @@ class HFSampler:
             pad_token_id=self.pad_token_id,
             use_cache=True,
             return_dict_in_generate=True,
-            stop_strings=self.stop or None,
+            stop_strings=None if on_stop else stop or None,
         )
+        reporter = [_ReportStops(StopStringCriteria(self.tokenizer, stop), width, on_stop)] if on_stop and stop else []
         recorder = _ProcessedLogProbs(1.0 if greedy else temperature, 1.0 if greedy else top_p)
         saved = model.generation_config
         model.generation_config = GenerationConfig(eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id)
@@ -498,7 +619,8 @@ class HFSampler:
                 attention_mask=attn.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
-                tokenizer=self.tokenizer if self.stop else None,  # transformers needs it for stop_strings
+                stopping_criteria=reporter or None,
+                tokenizer=self.tokenizer if stop and not reporter else None,  # transformers needs it for stop_strings
                 # FSDP2 on several ranks: a rank whose rows all ended keeps stepping until every rank's have
                 # (transformers turns this on by itself for FSDP1 and ZeRO-3 only)
                 synced_gpus=self.fsdp_root is not None and torch.distributed.get_world_size() > 1,
@@ -508,26 +630,27 @@ class HFSampler:
         gen = res.sequences[:, width:].cpu()
         logps = recorder.finish(res.sequences).cpu()
         eos = torch.tensor(self.eos_token_ids)
-        completions: list[Completion] = []
+        segments: list[Segment] = []
         for r in range(gen.shape[0]):
             toks = gen[r].tolist()
             hits = torch.isin(gen[r], eos).nonzero()
             end = int(hits[0]) + 1 if len(hits) else len(toks)
             text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
-            stop_end = _stop_end(text, self.stop)
+            stop_end = _stop_end(text, stop)
             if stop_end is not None:  # the row stopped at a stop string: cut after the token that completed it
-                end = _stop_token_end(toks[:end], self.stop, self.tokenizer)
+                end = _stop_token_end(toks[:end], stop, self.tokenizer)
                 text = self.tokenizer.decode(toks[:end], skip_special_tokens=True)
-                text = text[: _stop_end(text, self.stop)]
-            toks = toks[:end]
-            c = Completion(
-                token_ids=toks,
-                text=text,
-                truncated=not len(hits) and stop_end is None,
-                logprobs=logps[r, :end].tolist(),
+                text = text[: _stop_end(text, stop)]
+            segments.append(
+                Segment(
+                    token_ids=toks[:end],
+                    logprobs=logps[r, :end].tolist(),
+                    text=text,
+                    stop=_stop_hit(text, stop) if stop_end is not None else None,
+                    truncated=not len(hits) and stop_end is None,
+                )
             )
-            completions += [c] if not greedy else [_copy(c) for _ in range(n)]
-        return completions
+        return segments
 
 
 def _stop_end(text: str, stop: Sequence[str]) -> int | None:
@@ -566,7 +689,33 @@ def _done(result) -> Future:
 
 
 def _copy(c: Completion) -> Completion:
-    return Completion(list(c.token_ids), c.text, c.truncated, None if c.logprobs is None else list(c.logprobs))
+    copies = {k: list(v) for k in ("token_ids", "logprobs", "mask") if (v := getattr(c, k)) is not None}
+    return replace(c, **copies, tool=None if c.tool is None else replace(c.tool))
+
+
+def _stop_hit(text: str, stop: Sequence[str]) -> str | None:
+    """The stop string a backend's text (cut after its stop string) ends with, if any."""
+    return next((s for s in stop if text.endswith(s)), None)
+
+
+def _tool_completions(trajectories: list[Trajectory], decode, stop: list[str], n: int, greedy: bool):
+    """The Completions of finished trajectories (in order; greedy: each copied n times)."""
+    out = []
+    for t in trajectories:
+        c = Completion(t.token_ids, t.text(decode, stop), t.truncated, t.logprobs, t.mask, t.stats)
+        out += [c] if not greedy else [_copy(c) for _ in range(n)]
+    return out
+
+
+def _tool_seed(seed: int, call: int, prompt: int, sample: int, wave: int, n: int) -> int:
+    """The seed of one trajectory's request number `wave` with the tool: the first is the sample's seed without the
+    tool (its request's seed + its index), later ones distinct over (seed, call, prompt, sample, wave)."""
+    import numpy as np
+
+    if wave == 0:
+        return _request_seed(seed, call, prompt, n) + sample
+    key = [seed % 2**63, call, prompt, sample, wave]
+    return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]) % 2**62
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -732,6 +881,7 @@ class VLLMSampler:
         stop: Sequence[str] = (),
         cpu_threads: int | None = None,
         lora_rank: int = 0,
+        tool: ToolConfig | None = None,
         **llm_kwargs: Any,
     ):
         if sleep_level not in (1, 2):
@@ -784,6 +934,7 @@ class VLLMSampler:
         self.cpu_threads = cpu_threads
         self._weights_valid = True  # False after a level-2 sleep until the next update_weights
         self.lora_rank, self.lora_request, self.lora_dir = lora_rank, None, None
+        self.tool = Tool(tool, self.llm.get_tokenizer()) if tool is not None else None
         for name in QUIET_VLLM_LOGGERS:  # each push's expected notes, e.g. "ParallelLMHead: Failed to load weights"
             logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -821,6 +972,9 @@ class VLLMSampler:
         client = getattr(client, "engine_core", None)
         if client is not None:
             client.shutdown()
+        if getattr(self, "tool", None) is not None:
+            self.tool.close()
+            self.tool = None
         if getattr(self, "lora_dir", None):
             import shutil
 
@@ -855,6 +1009,41 @@ class VLLMSampler:
         self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the old weights
         self._weights_valid = True
 
+    def _generate_tool(self, prompts, n, temperature, top_p, max_new_tokens, call) -> list[Completion]:
+        """`generate` with the tool (common/tool.py): rounds of requests, one per trajectory still going (its prompt
+        and tokens so far, seeded by `_tool_seed`), stepped through the engine; a request's program starts as soon as
+        it finishes, beside the rest of the round, and the outputs are appended when the round ends. Rounds keep
+        the engine's batches a function of the samples alone, not of the programs' timing."""
+        tool, greedy = self.tool, temperature <= 0
+        rows = 1 if greedy else n
+        trajectories = [Trajectory(i, j) for i in range(len(prompts)) for j in range(rows)]
+        engine = self.llm.llm_engine
+        while live := [t for t in trajectories if not t.done]:
+            requests = [{"prompt_token_ids": list(prompts[t.prompt]) + t.token_ids} for t in live]
+            params = [
+                _params(
+                    1,
+                    temperature,
+                    top_p,
+                    max_new_tokens - len(t.token_ids),
+                    t.stops(self.stop, tool.config),
+                    _tool_seed(self.seed, call, t.prompt, t.sample, t.waves, rows),
+                )
+                for t in live
+            ]
+            with tool.clock.busy():
+                ids = self.llm.enqueue(requests, params, lora_request=self.lora_request, use_tqdm=False)
+                # enqueue returns the engine's ids, "<LLM's counter>-<8 random characters>"; outputs carry the first
+                by_id = {i.split("-", 1)[0]: t for i, t in zip(ids, live)}
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            by_id[out.request_id].add(_segment(out), max_new_tokens, tool)
+            for t in live:
+                t.splice(max_new_tokens, tool)
+        decode = functools.partial(tool.tokenizer.decode, skip_special_tokens=True)
+        return _tool_completions(trajectories, decode, self.stop, n, greedy)
+
     def _push_adapter(self, model: nn.Module) -> None:
         """Adapter sync (vLLM's LoRA path): the adapter alone, saved in PEFT's format to a fresh directory that the
         next requests name with a new id. vLLM caches adapters by id and has no in-memory route: a reused id would
@@ -886,6 +1075,9 @@ class VLLMSampler:
             self.wake_up()
         greedy = temperature <= 0  # vLLM requires n == 1 for greedy sampling: decode once, copy n times
         call, self.calls = self.calls, self.calls + 1
+        if self.tool is not None:
+            with _torch_threads(_generation_threads(self.cpu_threads) if self.cpu else None):
+                return self._generate_tool(prompt_token_ids, n, temperature, top_p, max_new_tokens, call)
         params = _sampling_params(
             self.seed, call, len(prompt_token_ids), n, temperature, top_p, max_new_tokens, self.stop
         )
@@ -905,6 +1097,16 @@ class VLLMSampler:
                 )
                 completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
         return completions
+
+
+def _segment(out: Any) -> Segment:
+    """The Segment of a finished one-sample vLLM RequestOutput."""
+    c = out.outputs[0]
+    if c.finish_reason not in ("stop", "length"):  # "abort" / "error": the request did not finish
+        raise RuntimeError(f"vLLM request {out.request_id} ended with finish_reason={c.finish_reason!r}")
+    stop = c.stop_reason if isinstance(c.stop_reason, str) else None  # None: EOS (or a stop token)
+    logprobs = _sampled_logprobs(c.logprobs, c.token_ids)
+    return Segment(list(c.token_ids), logprobs, c.text, stop, c.finish_reason == "length")
 
 
 def _generation_threads(cpu_threads: int | None) -> int:
@@ -960,27 +1162,32 @@ def _sampling_params(
 ) -> list[Any]:
     """The vLLM SamplingParams of `VLLMSampler.generate`'s call number `call`, one per prompt (with its own seed,
     see the class docstring). Greedy (temperature <= 0) asks for one row: vLLM requires n == 1 for it."""
+    greedy = temperature <= 0
+    rows = 1 if greedy else n
+    seeds = [_request_seed(seed, call, i, rows) for i in range(prompts)]
+    return [_params(rows, temperature, top_p, max_new_tokens, stop, s) for s in seeds]
+
+
+def _params(n: int, temperature: float, top_p: float, max_tokens: int, stop: Sequence[str], seed: int) -> Any:
+    """One request's vLLM SamplingParams: plain temperature / top-p (greedy at temperature <= 0), the sampled
+    tokens' processed log-probs, the stop strings kept in the text."""
     from vllm import SamplingParams
 
     greedy = temperature <= 0
-    rows = 1 if greedy else n
-    return [
-        SamplingParams(
-            n=rows,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=0,
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            flat_logprobs=True,
-            detokenize=True,
-            skip_special_tokens=True,
-            stop=list(stop) or None,
-            include_stop_str_in_output=True,  # the text keeps the stop string, as the tokens do
-            seed=_request_seed(seed, call, i, rows),
-        )
-        for i in range(prompts)
-    ]
+    return SamplingParams(
+        n=n,
+        temperature=0.0 if greedy else temperature,
+        top_p=1.0 if greedy else top_p,
+        top_k=0,
+        max_tokens=max_tokens,
+        logprobs=0,  # the sampled token's log-prob only
+        flat_logprobs=True,
+        detokenize=True,
+        skip_special_tokens=True,
+        stop=list(stop) or None,
+        include_stop_str_in_output=True,  # the text keeps the stop string, as the tokens do
+        seed=seed,
+    )
 
 
 def _request_seed(seed: int, call: int, prompt: int, n: int) -> int:
@@ -1044,13 +1251,15 @@ def make_sampler(
     hf_batch_size: int = 64,
     stop: Sequence[str] = (),
     fsdp_root: nn.Module | None = None,
+    tool: ToolConfig | None = None,
     **vllm_kwargs: Any,
 ) -> Sampler:
     """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
     tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine
     loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`.
     `stop`: strings that end a completion (kept in its text and tokens, `truncated` False), on both backends.
-    `fsdp_root`: under FSDP2, the prepared module that wraps `model` (HF generate gathers its parameters)."""
+    `fsdp_root`: under FSDP2, the prepared module that wraps `model` (HF generate gathers its parameters). `tool`: the
+    Python tool during rollouts (common/tool.py; None: none, every completion in one piece)."""
     if resolve_sampler(kind) == "vllm":
-        return VLLMSampler(model_name_or_path, seed=seed, stop=stop, **vllm_kwargs)
-    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop, fsdp_root=fsdp_root)
+        return VLLMSampler(model_name_or_path, seed=seed, stop=stop, tool=tool, **vllm_kwargs)
+    return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop, fsdp_root=fsdp_root, tool=tool)

@@ -41,8 +41,11 @@ from common.sampling import (
     _keep_cpu_linear_weights,
     _repack_cpu_linears,
     _request_seed,
+    _tool_completions,
+    _tool_seed,
     iter_weight_buckets,
 )
+from common.tool import Segment, Tool, ToolConfig, Trajectory
 
 BACKEND = "torch_pg"  # vLLM's name for our weight-transfer engines
 
@@ -301,16 +304,35 @@ class ServerSampler:
     in a background thread and returns a future (--off-policy-steps: the next rollout is generated while this one
     trains). `update_weights` (every rank calls it) pushes the model's full weights from rank 0 after the in-flight
     requests finished (/pause?mode=wait), and every rank waits until it is done. `state_dict` is the call counter
-    that seeds the requests (as VLLMSampler's)."""
+    that seeds the requests (as VLLMSampler's).
 
-    def __init__(self, host: str, port: int, *, seed: int, timeout: float, stop=(), rank=0, world=1):
+    With `tool` (common/tool.py; `tokenizer` encodes its output blocks): each completion is a chain of requests in a
+    thread of its own, one request per segment (its prompt and tokens so far, seeded as the colocated engine's), its
+    programs run beside the trainer (the server only generates; tools/vllm_server.py needs nothing for the tool)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        seed: int,
+        timeout: float,
+        stop=(),
+        rank=0,
+        world=1,
+        tool: ToolConfig | None = None,
+        tokenizer=None,
+    ):
         import requests
 
+        if tool is not None and tokenizer is None:
+            raise ValueError("the tool needs the tokenizer, which encodes its output blocks")
         self.url, self.timeout, self.seed, self.stop = f"http://{host}:{port}", timeout, seed, list(stop)
         self.rank, self.world, self.calls, self.pushes = rank, world, 0, 0
         self.http = requests.Session()
         self.pool = ThreadPoolExecutor(max_workers=64)  # the requests of a rollout, one per prompt
         self.waiter = ThreadPoolExecutor(max_workers=4)  # a rollout's future: waits for its requests
+        self.tool = Tool(tool, tokenizer) if tool is not None else None
         self.pending: list[Future] = []
         self.lock = threading.Lock()
         self.engine = None
@@ -333,11 +355,25 @@ class ServerSampler:
         """Starts generating in the background; the future's result is `generate`'s."""
         _check_request(prompt_token_ids, n, max_new_tokens)
         call, self.calls = self.calls, self.calls + 1
-        futures = [
-            self.pool.submit(self._one, p, i, call, n, temperature, top_p, max_new_tokens)
-            for i, p in enumerate(prompt_token_ids)
-        ]
-        result = self.waiter.submit(lambda: [c for f in futures for c in f.result()])
+        if self.tool is not None:
+            rows = 1 if temperature <= 0 else n
+            futures = [
+                self.pool.submit(self._chain, p, i, j, call, rows, temperature, top_p, max_new_tokens)
+                for i, p in enumerate(prompt_token_ids)
+                for j in range(rows)
+            ]
+            decode = functools.partial(self.tool.tokenizer.decode, skip_special_tokens=True)
+
+            def completions() -> list[Completion]:
+                return _tool_completions([f.result() for f in futures], decode, self.stop, n, temperature <= 0)
+
+            result = self.waiter.submit(completions)
+        else:
+            futures = [
+                self.pool.submit(self._one, p, i, call, n, temperature, top_p, max_new_tokens)
+                for i, p in enumerate(prompt_token_ids)
+            ]
+            result = self.waiter.submit(lambda: [c for f in futures for c in f.result()])
         with self.lock:
             self.pending = [f for f in self.pending if not f.done()] + [result]
         return result
@@ -371,6 +407,39 @@ class ServerSampler:
             comp = Completion(c["token_ids"], c.get("text") or "", c["finish_reason"] == "length", logprobs)
             completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
         return completions
+
+    def _chain(self, prompt, i, j, call, rows, temperature, top_p, max_new_tokens) -> Trajectory:
+        """Sample j of prompt i with the tool: a request per segment until the completion is done."""
+        t, tool, greedy = Trajectory(i, j), self.tool, temperature <= 0
+        while not t.done:
+            params = {
+                "n": 1,
+                "temperature": 0.0 if greedy else temperature,
+                "top_p": 1.0 if greedy else top_p,
+                "top_k": 0,
+                "max_tokens": max_new_tokens - len(t.token_ids),
+                "logprobs": 0,
+                "seed": _tool_seed(self.seed, call, i, j, t.waves, rows),
+                "stop": t.stops(self.stop, tool.config),
+                "include_stop_str_in_output": True,
+                "skip_special_tokens": True,
+                "detokenize": True,
+            }
+            body = {"token_ids": list(prompt) + t.token_ids, "sampling_params": params, "output_mode": "text"}
+            with tool.clock.busy():  # the server generates while any request is out
+                out = self._call("post", "inference/v1/generate", "generating", {**body, "model": self.model})
+            c = out["choices"][0]
+            if c["finish_reason"] not in ("stop", "length"):
+                raise ServerError(f"--vllm-server-host {self.url}: a request ended with {c['finish_reason']!r}")
+            logprobs = [e["logprob"] for e in c["logprobs"]["content"]]
+            stop = c.get("stop_reason") if isinstance(c.get("stop_reason"), str) else None
+            t.add(
+                Segment(c["token_ids"], logprobs, c.get("text") or "", stop, c["finish_reason"] == "length"),
+                max_new_tokens,
+                tool,
+            )
+            t.splice(max_new_tokens, tool)
+        return t
 
     def update_weights(self, model: nn.Module) -> None:
         """Rank 0 pushes `model`'s weights (iter_weight_buckets: full tensors under checkpoint names, gathered over
@@ -432,6 +501,9 @@ class ServerSampler:
         """Leaves the weight-transfer group (the server stays up for the next trainer)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.waiter.shutdown(wait=False, cancel_futures=True)
+        if self.tool is not None:
+            self.tool.close()
+            self.tool = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

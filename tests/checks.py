@@ -5,6 +5,7 @@ several processes, and several runs in one process for the tests that need a run
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import json
 import os
@@ -138,6 +139,18 @@ def assert_micro_batches_add_up(
         bound = stat_sum_bound(stats[k], int(mask.sum()), len(chunks))
         assert abs(sum(p[1][k] for p in parts).item() - stats[k].item()) <= bound, k
     return loss, stats
+
+
+def script_advantages(mod, rewards, mask, args, old_logps=None, ref_logps=None):
+    """A script's advantages as its main() computes them: `compute_advantages(rewards, args)`, [N], or for a script
+    whose advantages are per token (reinforce_pp.py, whose reward holds the KL) `compute_advantages(rewards, mask,
+    args, old_logps, ref_logps)`, [N, T]; with a critic (ppo.py, vapo.py) GAE's on values of 0, [N, T]."""
+    if hasattr(mod, "update_critic"):  # ppo.py, vapo.py: GAE on values of 0, [N, T]
+        zeros = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+        return mod.compute_advantages(rewards, zeros, mask, args)[0]
+    if "mask" in inspect.signature(mod.compute_advantages).parameters:
+        return mod.compute_advantages(rewards, mask, args, old_logps, ref_logps)
+    return mod.compute_advantages(rewards, args)
 
 
 def assert_standardised_advantages(compute_advantages, rewards, args) -> torch.Tensor:

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.toy import build_all, build_model  # noqa: E402
+from tests.toy import build_all, build_model, build_tool_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +35,12 @@ def vllm_assets(toy_assets, tmp_path_factory) -> dict[str, str]:
     tied = build_model(str(root / "tied"), hidden_size=128, heads=2)
     untied = build_model(str(root / "untied"), hidden_size=128, heads=2, tied=False)
     return {**toy_assets, "model": tied, "tied": tied, "untied": untied}
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    """The vLLM-sized toy model trained to call the Python tool on cue (tests/toy.py TOOL_SCRIPTS)."""
+    return build_tool_model(str(tmp_path_factory.mktemp("tool_model")))
 
 
 def pytest_configure(config):

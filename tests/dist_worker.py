@@ -7,7 +7,8 @@ DDP or, launched with `accelerate launch --use_deepspeed`, DeepSpeed ZeRO-3 (bui
 JOB is `SCRIPT,MICRO_BATCH[,key=value ...]` (Args fields, and `stale=1`); the jobs of one launch share its
 processes (one interpreter and process group start instead of one per job), each on a freshly loaded model. Every
 rank builds the same fixed rollout (ids, masks, rewards), keeps its own contiguous share of whole groups, computes its
-advantages on that share as main() does (LitePPO's batch std gathers across ranks) and runs the script's update with
+advantages on that share as main() does (LitePPO's batch std and REINFORCE++'s token mean and std reduce over ranks;
+REINFORCE++'s, per token, are saved with their inputs from every rank) and runs the script's update with
 SGD(lr=1) and no clipping, so params_before - params_after is exactly the gradient DDP produced. Rank 0 saves it
 with the world size (`job_file` names the file). `fsdp2=1` (not a flag) prepares the policy with FSDP2
 (`fully_shard` per decoder layer and on the policy, as configs/fsdp2.yaml) on CPU processes, setting the state that
@@ -64,6 +65,7 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
     from transformers import AutoModelForCausalLM
 
     from common.logprobs import TokenLogProbs
+    from tests.checks import script_advantages
 
     mod = importlib.import_module(script)
     stale = overrides.get("stale", "0") == "1"
@@ -130,16 +132,21 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
         assert len(sampled) == 2 * len(prompts) and all(0 < len(c.token_ids) <= 3 + 2 * rank for c in sampled)
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
-    if critic is None:
-        batch["advantages"] = mod.compute_advantages(rewards, args)  # on this rank's share, as main() does
-    else:  # GAE on this rank's share of the critic's values; the whitening spans both ranks
-        batch["old_values"] = values[share]
-        batch["advantages"], batch["returns"] = mod.compute_advantages(rewards, values[share], batch["mask"], args)
-        batch["positive"] = (rewards > 0).double()  # vapo.py's LM loss
     if stale:
         batch["old_logps"], batch["sampler_logps"] = old_logps[share], sampler_logps[share]
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term
         batch["ref_logps"] = (-torch.rand(n, batch["mask"].shape[1], generator=g, dtype=torch.float64) * 6)[share]
+    old, ref = batch.get("old_logps"), batch.get("ref_logps")
+    if critic is None:
+        batch["advantages"] = script_advantages(mod, rewards, batch["mask"], args, old, ref)  # this rank's share
+    else:  # GAE on this rank's share of the critic's values; the whitening spans both ranks
+        batch["old_values"] = values[share]
+        batch["advantages"], batch["returns"] = mod.compute_advantages(rewards, values[share], batch["mask"], args)
+        batch["positive"] = (rewards > 0).double()  # vapo.py's LM loss
+    per_token = None
+    if critic is None and batch["advantages"].dim() == 2:  # reinforce_pp.py normalises over all ranks: every rank's
+        inputs = {"advantages": batch["advantages"], "rewards": rewards, "mask": batch["mask"], "old": old, "ref": ref}
+        per_token = {k: accelerator.gather(v) for k, v in inputs.items() if v is not None}
     stats = mod.update_policy(policy, optimizer, scheduler, accelerator, batch, args, 0)
     if critic is not None:
         mod.update_critic(critic, critic_opt, critic_sched, accelerator, batch, args, 0)
@@ -156,7 +163,7 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
         if critic is not None:
             grad.update({"critic." + k: before["critic." + k] - v for k, v in critic_after.items()})
         torch.save(
-            {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type)},
+            {"world_size": world, "grad": grad, "type": str(accelerator.distributed_type), "per_token": per_token},
             os.path.join(out_dir, job_file(script, world, micro, overrides, deepspeed, fsdp2)),
         )
     accelerator.free_memory()  # the next job prepares its own model, optimizer and scheduler

@@ -31,7 +31,9 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return n * u / (1 - n * u)
 
 
-def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, rounded_to=None) -> dict[str, torch.Tensor]:
+def logprob_error_bounds(
+    h, w, targets, temperature, dtype, upstream=None, rounded_to=None, autocast=False
+) -> dict[str, torch.Tensor]:
     """Bounds on the error of log softmax(h @ w.T / T)[target], its entropy and logsumexp, computed in `dtype`
     (either path of common.logprobs.chunked_logprobs, or a float64 reference when dtype is float64), and, with
     `upstream` (d loss / d logp), of the gradients d(hidden) and d(weight) of common.logprobs' chunked backward.
@@ -39,7 +41,8 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
     h: [N, H], w: [V, H] (the values the computation saw, any dtype; evaluated in fp64 here), targets: [N].
     rounded_to: a half dtype that the logits, the backward's d logits and d(hidden) / d(weight) are stored in
     while `dtype` (fp32) accumulates, as in the torch path under autocast or with bf16 weights: u(rounded_to) more
-    per rounding (the products of half inputs are exact in fp32).
+    per rounding (the products of half inputs are exact in fp32). autocast: h and w are fp32 values that the GEMMs
+    round to `rounded_to` first (u(rounded_to) each, 2 per product); without it they are taken as already in it.
     Returns elementwise bounds {"logps", "entropy", "lse": [N], "grad_h": [N, H], "grad_w": [V, H]} (fp64).
 
     Derivation (first order in u; the H + 2, V + 8 and 3u terms count the roundings of each step):
@@ -58,6 +61,11 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
                + 3u (p + 1[v = t]))
       grad_h   D @ W, V terms:      |dD| @ |W| + gamma(V) |D| @ |W|
       grad_w   D.T @ h, N terms:    |dD|.T @ |h| + gamma(N) |D|.T @ |h|   (chunk by chunk: still N terms)
+    With rounded_to (u_r), first order: z gains u_r (stored), 2 u_r under autocast (h, w rounded); grad_h 2 u_r (D and
+    D @ W stored) + u_r under autocast (W rounded); grad_w 3 u_r (D, each chunk's D.T @ h, and the sum cast to a half
+    weight) + u_r under autocast (h rounded). A value stored in half precision below its smallest normal errs by up to
+    eta = half the subnormal spacing instead (fp16: 3e-8, which d logits of p ~ e^-30 reach; bf16: 5e-41): eta |W| and
+    eta |h| summed over D's entries, and eta per stored product (at most N chunks).
     """
     h64, w64 = h.detach().double().cpu(), w.detach().double().cpu()
     t = targets.cpu()
@@ -65,7 +73,8 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
     vocab = w64.shape[0]
     u = unit_roundoff(dtype)
     ur = unit_roundoff(rounded_to) if rounded_to is not None else 0.0
-    dz = (gamma(hid + 2, dtype) + ur) * (h64.abs() @ w64.abs().T) / temperature  # [N, V]
+    ua = ur if autocast else 0.0  # each fp32 operand rounded to half before a GEMM
+    dz = (gamma(hid + 2, dtype) + ur + 2 * ua) * (h64.abs() @ w64.abs().T) / temperature  # [N, V]
     logits = h64 @ w64.T / temperature
     bounds = log_softmax_error_bounds(logits, t, dz, dtype)
     p, e_lse = bounds.pop("p"), bounds["lse"]
@@ -74,8 +83,11 @@ def logprob_error_bounds(h, w, targets, temperature, dtype, upstream=None, round
         onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
         d_abs = g * (p + onehot)  # >= |D|
         dd = g * (p * (dz + e_lse[:, None] + 2 * u) + 3 * u * (p + onehot))
-        bounds["grad_h"] = dd @ w64.abs() + (gamma(vocab, dtype) + 2 * ur) * d_abs @ w64.abs()  # D and D @ W rounded
-        bounds["grad_w"] = dd.T @ h64.abs() + (gamma(n, dtype) + ur) * d_abs.T @ h64.abs()  # D.T @ h rounded
+        eta = torch.finfo(rounded_to).smallest_normal * torch.finfo(rounded_to).eps / 2 if rounded_to else 0.0
+        bounds["grad_h"] = dd @ w64.abs() + (gamma(vocab, dtype) + 2 * ur + ua) * d_abs @ w64.abs()
+        bounds["grad_h"] += eta * (w64.abs().sum(0) + 1)
+        bounds["grad_w"] = dd.T @ h64.abs() + (gamma(n, dtype) + 3 * ur + ua) * d_abs.T @ h64.abs()
+        bounds["grad_w"] += eta * (h64.abs().sum(0) + n)
     return bounds
 
 

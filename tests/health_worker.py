@@ -1,4 +1,5 @@
-"""Worker for tests/test_distributed.py: common.metrics.health_metrics on 1 or 2 processes (torchrun, gloo).
+"""Worker for tests/test_distributed.py: common.metrics.health_metrics and tool_metrics on 1 or 2 processes
+(torchrun, gloo).
 
     python tests/health_worker.py OUT.json
     torchrun --nproc_per_node 2 tests/health_worker.py OUT.json
@@ -28,12 +29,28 @@ TEXTS = [  # rank 0: plain answers; rank 1: reflection, language mixing and repe
 CORRECT = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
 LENGTHS = [9, 4, 1, 6, 20, 14]
 SHARES = {1: [slice(0, 6)], 2: [slice(0, 4), slice(4, 6)]}
+# the Python tool's use per completion (calls, errors, timeouts, seconds, overlap) and its output tokens: rank 1 holds
+# the timeout and most of the calls
+TOOL = [(1, 0, 0, 0.5, 0.5), (0, 0, 0, 0.0, 0.0), (1, 1, 0, 0.25, 0.0), (0, 0, 0, 0.0, 0.0), (3, 0, 1, 12.0, 2.0)]
+TOOL += [(2, 1, 0, 1.0, 1.0)]
+TOOL_TOKENS = [4, 0, 9, 0, 30, 12]
+
+
+def tool_completions():
+    """The completions TOOL describes (each with LENGTHS model tokens and TOOL_TOKENS tool tokens)."""
+    from common.sampling import Completion
+    from common.tool import ToolStats
+
+    return [
+        Completion([1] * (n + k), t, False, None, [1] * n + [0] * k, ToolStats(*s))
+        for n, k, t, s in zip(LENGTHS, TOOL_TOKENS, TEXTS, TOOL)
+    ]
 
 
 def main() -> None:
     from accelerate import Accelerator
 
-    from common.metrics import health_metrics
+    from common.metrics import health_metrics, tool_metrics
     from common.run import close_run
 
     accelerator = Accelerator(cpu=True)
@@ -41,6 +58,7 @@ def main() -> None:
     metrics = health_metrics(
         TEXTS[share], torch.tensor(CORRECT[share]), torch.tensor(LENGTHS[share]), GROUP, accelerator
     )
+    metrics.update(tool_metrics(accelerator, tool_completions()[share]))
     if accelerator.is_main_process:
         with open(sys.argv[1], "w") as f:
             json.dump({"world": accelerator.num_processes, **metrics}, f)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import launch_cmd, selected_cases
+from tests.checks import launch_cmd, script_advantages, selected_cases
 from tests.dist_worker import job_file
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
@@ -68,13 +68,17 @@ def load_grad(out_dir, script, procs, micro, kw, zero3=False, fsdp2=False, launc
 
 # Per-script settings of the worker: the losses that select tokens over the whole mini-batch (over all ranks) get an
 # off-policy rollout (stale=1) so that their selection acts; Clip-Cov draws its tokens at random per rank, so every
-# candidate is taken (ratio 1) in a band that has candidates on this rollout.
-CASES = [(s, {}) for s in SCRIPTS if s not in ("clip_cov", "m2po")]
+# candidate is taken (ratio 1) in a band that has candidates on this rollout. REINFORCE++'s reward holds the KL to the
+# reference at pi_old: stale=1 gives it a pi_old different from the policy, and its advantages are normalised over
+# both ranks (the test after the next).
+REINFORCE_PP = ("reinforce_pp", {"stale": 1})
+CASES = [(s, {}) for s in SCRIPTS if s not in ("clip_cov", "m2po", "reinforce_pp")]
 CASES += [(s, kw) for s, kw in [
     ("clip_cov", {"stale": 1, "clip_cov_ratio": 1.0, "clip_cov_lb": 0.0}),
     ("clip_cov", {"stale": 1, "cov_form": "kl", "kl_cov_ratio": 0.2}),
     ("m2po", {"stale": 1}),
     ("m2po", {"stale": 1, "m2po_scope": "all"}),
+    REINFORCE_PP,
 ] if s in SCRIPTS]  # fmt: skip
 
 
@@ -91,6 +95,7 @@ FSDP2_CASES += [(s, kw) for s, kw in CASES if s in ("clip_cov", "m2po")][::2]
 
 
 SAME_GRADIENT = "test_same_gradient_for_one_or_many_micro_batches_and_ranks"
+GLOBAL_NORM = "test_reinforce_pp_normalises_over_every_rank"
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +104,9 @@ def gradients(request, toy_assets, tmp_path_factory):
     launches of the worker (1 process, 2, 2 with FSDP2) instead of ~4 per case: process and process-group starts
     are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient file's contents."""
     cases = [(c["script"], c["kw"]) for c in selected_cases(request, SAME_GRADIENT).values()]
+    norm_test = any(getattr(it, "originalname", "") == GLOBAL_NORM for it in request.session.items)
+    if norm_test and REINFORCE_PP not in cases and "reinforce_pp" in SCRIPTS:
+        cases.append(REINFORCE_PP)  # the test below reads that case's launches
     plan = {"1": [("grpo", 16, {})], "2": [], "FSDP2": []}
     for script, kw in cases:
         plan["1"].append((script, 16, kw))
@@ -147,6 +155,27 @@ def test_same_gradient_for_one_or_many_micro_batches_and_ranks(script, kw, gradi
             torch.testing.assert_close(other["grad"][k], g, rtol=1e-9, atol=1e-12, msg=f"{name}: {k}")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif("reinforce_pp" not in SCRIPTS, reason="reinforce_pp.py")
+def test_reinforce_pp_normalises_over_every_rank(gradients):
+    """reinforce_pp.py's advantages, each rank computing those of its own half of the groups (as main() does), equal
+    one process's and a float64 loop's over the whole rollout (eq. 5: the mean and std of every rank's tokens); each
+    rank's own statistics would give others. From the same launches as the test above (its REINFORCE_PP case)."""
+    import reinforce_pp
+    from tests.test_reinforce_pp import brute_advantages
+
+    script, kw = REINFORCE_PP
+    whole, dist = gradients("1", script, 16, kw)["per_token"], gradients("2", script, 3, kw)["per_token"]
+    for k in whole:  # the log-probs on the completions' tokens (the padding differs between micro-batch plans)
+        x, y = (run[k].double() * (run["mask"] if k in ("old", "ref") else 1) for run in (dist, whole))
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12, msg=k)
+    args = reinforce_pp.Args(group_size=4)
+    inputs = whole["rewards"].double(), whole["mask"], whole["old"], whole["ref"]
+    torch.testing.assert_close(whole["advantages"], brute_advantages(*inputs, args), rtol=0, atol=1e-12)
+    halves = [brute_advantages(*(x[h] for x in inputs), args) for h in (slice(0, 8), slice(8, 16))]
+    assert not torch.allclose(torch.cat(halves), dist["advantages"], atol=1e-3)  # per-rank statistics differ
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_cap(script):
     """The plan update_policy follows: token budget (longest completion first) capped at --micro-batch-size rows, or
@@ -158,7 +187,8 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
     lens = [(int(p), int(c)) for p, c in zip(prompts, completions)]
     rows = torch.randperm(200, generator=g).tolist()[:150]
     for tokens, cap in [(1000, 256), (1000, 3), (8192, 256), (200, 256), (0, 7)]:
-        plan = mod.micro_batches(rows, lens, SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens))
+        budget = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=False)
+        plan = mod.micro_batches(rows, lens, budget)
         assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
         for group, p_w, c_w in plan:
             assert (p_w, c_w) == (max(lens[r][0] for r in group), max(lens[r][1] for r in group))
@@ -290,7 +320,9 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
         )
         batch["positive"] = (rewards > 0).float().cuda()
     else:
-        batch["advantages"] = mod.compute_advantages(rewards.cuda(), args)
+        batch["advantages"] = script_advantages(
+            mod, rewards.cuda(), batch["mask"], args, batch["old_logps"], batch["ref_logps"]
+        )
     normalizers, clip = mod.grad_normalizers, accelerator.clip_grad_norm_
 
     def then_strict(masks):
@@ -323,9 +355,11 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
 def test_health_metrics_cover_every_rank(procs, tmp_path):
     """The train/ text statistics on 2 processes (rank 0: 2 groups, rank 1: 1 group) equal those of 1 process
     holding all 3 groups, and completion_stats of all the texts: rank 1 alone holds the reflection words, the
-    language mixing and the long completions, so rank 0's own texts would give other values."""
-    from common.metrics import completion_stats
-    from tests.health_worker import CORRECT, GROUP, LENGTHS, TEXTS
+    language mixing and the long completions, so rank 0's own texts would give other values. The tool/ metrics
+    likewise (rank 1 holds the timeout and most of the programs' seconds)."""
+    from common.metrics import completion_stats, tool_metrics
+    from tests.health_worker import CORRECT, GROUP, LENGTHS, TEXTS, tool_completions
+    from tests.test_tool import OneProcess
 
     worker, out = os.path.join(ROOT, "tests", "health_worker.py"), str(tmp_path / "m.json")
     cmd = [sys.executable, worker] if procs == 1 else launch_cmd(worker, procs)
@@ -334,6 +368,8 @@ def test_health_metrics_cover_every_rank(procs, tmp_path):
     with open(out) as f:
         got = json.load(f)
     expected = {f"train/{k}": v for k, v in completion_stats(TEXTS, CORRECT, GROUP, LENGTHS).items()}
+    expected.update(tool_metrics(OneProcess(), tool_completions()))
+    assert tool_metrics(OneProcess(), tool_completions()[:4])["tool/timeout_frac"] == 0  # rank 0's alone differ
     assert got.pop("world") == procs and set(got) == set(expected)
     for k, v in expected.items():
         assert got[k] == pytest.approx(v, abs=1e-12, nan_ok=True), k

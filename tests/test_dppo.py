@@ -310,7 +310,7 @@ def test_defaults_are_the_papers():
     a = dppo.Args()
     names = {f.name for f in dataclasses.fields(a)}
     assert not {"clip_eps_low", "clip_eps_high", "adv_eps"} & names  # no ratio clip, no std
-    # the authors' verl script (PR #5397 run_qwen30b_dppo.sh / run_qwen3_30b_a3b_megatron.sh)
+    # the authors' verl script (PR #5397's run_qwen30b_dppo.sh, verl 182383bb / b8d91ef8)
     assert (a.dppo_divergence, a.dppo_delta_low, a.dppo_delta_high, a.dppo_is_cap, a.beta) == (
         "binary-tv",
         None,

@@ -95,13 +95,13 @@ def test_raw_text_prompts_get_bos_once_and_chat_prompts_keep_their_own(gemma, to
 
     bos_tok, plain_tok = AutoTokenizer.from_pretrained(gemma), AutoTokenizer.from_pretrained(toy_assets["model"])
     bos = bos_tok.bos_token_id
-    for template in ("none", "r1", "qwen-boxed", "dapo"):  # gemma has no chat template: all four are raw text
+    for template in ("none", "r1", "torl", "qwen-boxed", "dapo"):  # gemma has no chat template: all are raw text
         ids = encode_prompt("3+4=", template, bos_tok)
         assert ids[0] == bos and ids.count(bos) == 1, template
         assert ids[1:] == bos_tok(ids and bos_tok.decode(ids[1:]), add_special_tokens=False).input_ids
     assert encode_prompt("<bos>3+4=", "none", bos_tok) == encode_prompt("3+4=", "none", bos_tok)  # not twice
     assert encode_prompt("3+4=", "none", bos_tok)[-1] != bos_tok.eos_token_id
-    for template in ("none", "r1"):  # a tokenizer that adds nothing: the text's own tokens
+    for template in ("none", "r1", "torl"):  # a tokenizer that adds nothing: the text's own tokens
         assert (
             encode_prompt("3+4=", template, plain_tok)
             == plain_tok(

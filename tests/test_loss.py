@@ -3,10 +3,12 @@ across micro-batches."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.batching import grad_normalizers
 from common.logprobs import TokenLogProbs, chunked_logprobs
@@ -57,6 +59,74 @@ def test_chunked_logprobs_fp32_accumulation_for_bf16():
     # the bf16 matmul rounds each logit to bf16 (u = 2^-9 of sum |h w|), the softmax runs in fp32 (tests/fp_bounds.py)
     bound = logprob_error_bounds(h.bfloat16(), w.bfloat16(), t, 1.0, torch.float32, rounded_to=torch.bfloat16)
     assert_within(lp, ref, 2 * bound["logps"], "logps")
+
+
+def autocast_inputs(seed=3, n=37, hid=48, vocab=301):
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(n, hid, generator=g), torch.randn(vocab, hid, generator=g) * 0.5
+    t = torch.randint(0, vocab, (n,), generator=g)
+    return h, w, t, torch.randn(n, generator=g)
+
+
+def logprobs_and_grads(h, w, t, upstream, temperature=0.7, chunk=16, kernel="torch", autocast=None):
+    """(logps, entropy, d hidden, d weight) of chunked_logprobs, under autocast to `autocast` if given."""
+    h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    ctx = torch.autocast(h.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+    with ctx:
+        lp, ent = chunked_logprobs(h, w, t, temperature, chunk, kernel)
+    return (lp, ent, *torch.autograd.grad((lp * upstream).sum(), (h, w)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_autocast_gradients_are_the_fp32_ones_within_bf16_rounding(device, monkeypatch):
+    """Under bf16 autocast (fp32 weights, as the scripts train on CUDA) the GEMMs of the forward and the backward run
+    in bf16: log-probs, entropy and both gradients are within the bf16 path's rounding-error bound plus the fp32
+    path's of the fp32 results, and within the former of the float64 ones (tests/fp_bounds.py: h and w rounded to
+    bf16, logits, d logits and each chunk's products stored in bf16, fp32 sums); they come back in fp32."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    # the bound assumes fp32 sums; cuBLAS may otherwise add split-K partial sums in bf16
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    h, w, t, upstream = (x.to(device) for x in autocast_inputs())
+    fp32 = logprobs_and_grads(h, w, t, upstream)
+    bf16 = logprobs_and_grads(h, w, t, upstream, autocast=torch.bfloat16)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    lp, ent = naive(hr, wr, t, 0.7)
+    exact = (lp, ent, *torch.autograd.grad((lp * upstream.double()).sum(), (hr, wr)))
+    b32 = logprob_error_bounds(h, w, t, 0.7, torch.float32, upstream)
+    b16 = logprob_error_bounds(h, w, t, 0.7, torch.float32, upstream, rounded_to=torch.bfloat16, autocast=True)
+    used = {}
+    for name, got, want, ref in zip(("logps", "entropy", "grad_h", "grad_w"), bf16, fp32, exact):
+        assert got.dtype == torch.float32, name
+        used[name] = assert_within(got, want, b16[name] + b32[name], name)
+        assert_within(got, ref, b16[name], f"{name} against float64")
+    assert max(used.values()) > 1e-3  # the bound is not vacuous: bf16 uses a visible part of it
+
+
+class GemmDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix multiplication dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_every_gemm_runs_in_the_autocast_dtype(autocast):
+    """Each chunk's h W^T in the forward, and its recomputed h W^T, d logits W and d logits^T h in the backward, take
+    the autocast dtype (fp32 weights and hidden states under bf16 autocast); without autocast, the inputs' fp32."""
+    h, w, t, upstream = autocast_inputs()
+    with GemmDtypes() as gemms:
+        logprobs_and_grads(h, w, t, upstream, chunk=16, autocast=autocast)
+    chunks = -(-h.shape[0] // 16)
+    want = autocast or torch.float32
+    # addmm's first input is the fp32 sum it adds to (d weight accumulated over chunks)
+    assert len(gemms.seen) == 4 * chunks and all(set(d[-2:]) == {want} for d in gemms.seen), gemms.seen
 
 
 def test_token_logprobs_match_hf_logits_and_ignore_left_padding(toy_assets):

@@ -327,6 +327,9 @@ def test_defaults_are_the_papers():
     assert (a.critic_learning_rate, a.critic_warmup_steps, a.critic_weight_decay) == (5e-6, 50, 0.0)
     assert (a.critic_num_mini_batches, a.num_mini_batches, a.truncated_reward) == (12, 1, "zero")
     assert not hasattr(a, "beta")  # no KL
+    # ORZ §3.1: 128 prompts x 64, a 50-step warm-up, R1's prompt, 8000 new tokens (its code)
+    assert (a.group_size, a.prompts_per_step, a.warmup_steps, a.prompt_template) == (64, 128, 50, "r1")
+    assert (a.model_name_or_path, a.max_new_tokens, a.max_prompt_tokens) == ("Qwen/Qwen2.5-7B", 8000, 2048)
     r = ppo.compute_rewards(torch.tensor([1.0, 1.0, 0.0]), None, torch.tensor([False, True, False]), a)
     assert r.tolist() == [1.0, 0.0, 0.0]  # a truncated correct answer gets 0 (ORZ's code)
 

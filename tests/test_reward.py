@@ -241,11 +241,12 @@ def test_format_errors_are_counted():
 def test_answer_format_for_templates_and_bad_format():
     from common.reward import answer_format_for
 
-    assert [answer_format_for(t) for t in ("none", "qwen-boxed", "dapo", "r1")] == [
+    assert [answer_format_for(t) for t in ("none", "qwen-boxed", "dapo", "r1", "torl")] == [
         "any",
         "boxed",
         "answer-line",
         "answer-tag",
+        "boxed",
     ]
     assert answer_format_for("r1", "boxed") == "boxed"
     with pytest.raises(ValueError, match="answer_format"):

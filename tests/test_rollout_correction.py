@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from tests.checks import assert_micro_batches_add_up
+from tests.checks import assert_micro_batches_add_up, script_advantages
 from tests.test_scripts import SCRIPTS
 
 MODES = ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
@@ -55,14 +55,6 @@ def loop_weights(old, rollout, mask, mode: str, cap: float) -> list[list[float]]
     return out
 
 
-def advantages(mod, rewards, mask, args):
-    """The script's advantages: [N] from the rewards, or with a critic (ppo.py, vapo.py) [N, T] from GAE on
-    values of 0 (their loss takes one advantage per token)."""
-    if hasattr(mod, "update_critic"):
-        return mod.compute_advantages(rewards.double(), torch.zeros(mask.shape, dtype=torch.float64), mask, args)[0]
-    return mod.compute_advantages(rewards, args)
-
-
 def make(script: str, **kw):
     mod = importlib.import_module(script)
     extra = {"beta": 0.04} if script == "grpo" else {}
@@ -90,7 +82,7 @@ def test_gradient_is_the_loop_weight_times_the_policy_gradient(script, mode):
         pytest.skip("gmpo.py weighs a sequence by the geometric mean of its token weights (tests/test_gmpo.py)")
     mod, args = make(script, rollout_correction=mode)
     rewards, mask, old, logps, rollout = batch(1)
-    adv = advantages(mod, rewards, mask, args)
+    adv = script_advantages(mod, rewards, mask, args, old, old - 0.3)
     w = torch.tensor(loop_weights(old, rollout, mask, mode, CAP), dtype=torch.float64)
     assert 0 < ((w == CAP) | (w == 0)).double().mul(mask).sum() < mask.sum()  # the cap binds on some tokens, not all
     got, _, stats = grad(mod, args, logps, old, adv, mask, rollout_logps=rollout)
@@ -121,7 +113,7 @@ def test_no_mismatch_changes_nothing_and_off_ignores_the_sampler(script):
     which main() resolves) the sampler's log-probs are ignored."""
     rewards, mask, old, logps, rollout = batch(2)
     mod, plain_args = make(script, rollout_correction="none")
-    adv = advantages(mod, rewards, mask, plain_args)
+    adv = script_advantages(mod, rewards, mask, plain_args, old, old - 0.3)
     plain_grad, plain_loss, _ = grad(mod, plain_args, logps, old, adv, mask)
     for mode in MODES:
         g, loss, stats = grad(mod, make(script, rollout_correction=mode)[1], logps, old, adv, mask, rollout_logps=old)
@@ -140,7 +132,7 @@ def test_no_mismatch_changes_nothing_and_off_ignores_the_sampler(script):
 def test_micro_batches_add_up_with_the_correction(script, mode):
     mod, args = make(script, rollout_correction=mode)
     rewards, mask, old, logps, rollout = batch(3)
-    adv = advantages(mod, rewards, mask, args)
+    adv = script_advantages(mod, rewards, mask, args, old, old - 0.3)
     extra = {"ref_logps": old - 0.3} if script == "grpo" else {}
     if script == "clip_cov":
         extra["cov_select"] = selection(mask)

@@ -29,6 +29,8 @@ SCRIPTS = [
         "dppo",
         "clip_cov",
         "m2po",
+        "reinforce_pp",
+        "rloo",
         "ppo",
         "vapo",
     )
@@ -48,11 +50,14 @@ LEARN_FLAGS: dict[str, dict] = {
     "dppo": {"num-mini-batches": 1},
     "clip_cov": {"num-mini-batches": 2},
     "m2po": {},
+    "reinforce_pp": {},
+    "rloo": {"warmup-steps": 0},
     # the critic at the policy's lr, one critic step per rollout; ORZ's reward 0 for a truncated completion would
     # leave the toy (whose completions never end with EOS) without reward
     "ppo": {"truncated-reward": "keep", "critic-learning-rate": 3e-3, "critic-warmup-steps": 0,
             "critic-num-mini-batches": 1},
-    "vapo": {"critic-learning-rate": 3e-3, "critic-num-mini-batches": 1, "value-warmup-steps": 1},
+    "vapo": {"critic-learning-rate": 3e-3, "critic-num-mini-batches": 1, "value-warmup-steps": 1,
+             "num-mini-batches": 1},
 }  # fmt: skip
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 
@@ -252,13 +257,15 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # end: the same seed follows another trajectory where matmul kernels round differently, and 20-step windows
     # of one run swing by 0.2 (lite_ppo, seed 1: 0.37 at steps 90-99, 0.17 at 130-149). Measured with these
     # flags (OMP_NUM_THREADS=2, the twelve critic-free scripts, seeds 1-4: 48 runs; docs/tests.md has the
-    # commands): rise 0.129-0.441; ppo.py 0.131-0.328 and vapo.py 0.134-0.166 (seeds 1-4). Many runs stop on a
-    # plateau at 0.13-0.16, where each prompt is answered the same way in all its samples and no group has signal
-    # left; the seed decides that more than the script (seed 4: ten of the twelve at 0.144-0.153). Without
-    # learning (--learning-rate 0, seed 1) the rise is -0.004 to -0.001, and a broken update drives the accuracy
-    # to 0 (grpo with the advantage's sign flipped: 0.009 -> 0.001; ppo: -0.010; vapo, whose LM loss on correct
-    # completions still pulls: +0.008). A rise of 0.05 sits 0.08 below the lowest learning run and over ten
-    # times the no-learning runs' largest |rise|.
+    # commands): rise 0.129-0.441. Many runs stop on a plateau at 0.13-0.16, where each prompt is answered the same
+    # way in all its samples and no group has signal left; the seed decides that more than the script (seed 4: ten
+    # of the twelve at 0.144-0.153). Without learning (--learning-rate 0, seed 1) the rise is -0.004 to -0.001, and
+    # a broken update drives the accuracy to 0 (grpo with the advantage's sign flipped: 0.009 -> 0.001). A rise of
+    # 0.05 sits 0.08 below the lowest learning run and over ten times the no-learning runs' largest |rise|.
+    # reinforce_pp.py and rloo.py, seeds 1-4: 0.150-0.394 and 0.065-0.149 (RLOO's KL in the reward, beta 0.03,
+    # slows it here: 0.133 and 0.147 without on seeds 3-4); lr 0: -0.004; the sign flipped: accuracy to 0.
+    # ppo.py and vapo.py, seeds 1-4: 0.131-0.328 and 0.134-0.166; lr 0: -0.004; the sign flipped: ppo -0.010,
+    # vapo +0.008 (its LM loss on correct completions still pulls).
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from learning_rise import rise  # the same measure for runs outside the suite
 

@@ -128,6 +128,30 @@ def test_two_trainer_processes_share_a_server(server, vllm_assets, tmp_path):
 
 
 @pytest.mark.slow
+def test_tool_rollouts_through_the_server(server, tool_model, tmp_path):
+    """tests/tool_worker.py as the server's client, with the Python tool: it pushes the tool model's weights, the
+    server samples each script (within its 128 positions: 120 new tokens) token for token, the client runs the
+    programs and splices their outputs (B cut at the budget inside its second output block), and the server's
+    log-probs of the sampled tokens equal the trainer's; the same seeds sample the same rollouts again."""
+    from transformers import AutoTokenizer
+
+    from tests.toy import TOOL_SCRIPTS, script_ids
+
+    out, budget = str(tmp_path / "report.json"), 120
+    cmd = [sys.executable, "-m", "tests.tool_worker", tool_model, out, str(server), str(budget)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(out) as f:
+        report = json.load(f)
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    for (prompt, pieces), got in zip(TOOL_SCRIPTS.items(), report["greedy"]):
+        ids, mask = script_ids(tok, pieces)
+        assert (got["ids"], got["mask"], got["truncated"]) == (ids[:budget], mask[:budget], len(ids) > budget), prompt
+    assert report["calls"] == [1, 2, 0, 1] and report["tool_tokens"] > 0
+    assert report["logprob_gap"] < LOGPROB_ATOL and report["repeat_equal"]
+
+
+@pytest.mark.slow
 def test_one_step_off_policy_trains_the_toy_task(server, vllm_assets, tmp_path):
     """--off-policy-steps 1: every step after the first trains on the rollout the previous step's policy generated
     (staleness 1), while the server generates the next; the rollout correction weighs the drift, and accuracy rises

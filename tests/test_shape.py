@@ -4,30 +4,57 @@ they share stays identical, so `diff grpo.py X.py` shows the algorithm and nothi
 from __future__ import annotations
 
 import ast
+import dataclasses
+import difflib
 import os
 
 import pytest
 
+from common.critic import CriticArgs
 from tests.test_scripts import ROOT, SCRIPTS
 
 MAX_LINES = 650  # a script
 MAX_MAIN, MAX_SETUP = 200, 80  # main(), and its lines before the training loop
 MAX_LONG_LINES = 30  # lines over 100 characters (readers put two scripts side by side); none over 120
 MAX_COMMON_NAMES = 30  # names a script imports from common/
+MAX_ARGS = 40  # lines of a script's own flags and overrides in Args (common/args.py holds the shared ones)
+MAX_GRPO = 320  # grpo.py's lines: the model script reads in one sitting
+# changed lines of `diff grpo.py X.py` (difflib's count) when the shared flags moved to common/args.py; a script's
+# diff may shrink, never grow without a reason written here
+MAX_DIFF = {
+    "dapo": 231,
+    "dr_grpo": 100,
+    "lite_ppo": 99,
+    "gspo": 90,
+    "cispo": 236,
+    "daro": 241,
+    "sapo": 93,
+    "gmpo": 106,
+    "dppo": 151,  # +1: the docstring cites the script that sets bypass mode
+    "clip_cov": 157,
+    "m2po": 151,
+    "reinforce_pp": 180,  # written on the shared flags: the KL in the reward, returns, global normalisation
+    "rloo": 153,
+    "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
+    "vapo": 334,
+}
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
 EXTRA_IMPORTS = {
-    "dapo": {"gather"},  # dynamic sampling's kept-group fraction
-    "cispo": {"gather"},
+    "dapo": {"gather", "PromptTemplate"},  # dynamic sampling's kept-group fraction; the template's type
+    "cispo": {"gather", "PromptTemplate"},
+    "dppo": {"PromptTemplate"},
     "clip_cov": {"batching"},  # global_sum / global_cat: the token selection over all ranks
     "m2po": {"global_cat"},
+    "reinforce_pp": {"global_sum"},  # the advantages' mean and std over all ranks
     # the critic (common/critic.py) and the whitening over all ranks
-    "ppo": {"global_sum", "check_critic_path", "compute_values", "critic_backward", "critic_grad_norm"}
-    | {"load_critic", "value_metrics"},
+    "ppo": {"global_sum", "CriticArgs", "check_critic_args", "compute_values", "critic_backward", "critic_grad_norm"}
+    | {"load_critic", "value_metrics", "PromptTemplate"},
 }
 EXTRA_IMPORTS["vapo"] = EXTRA_IMPORTS["ppo"]
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top
 UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}
+UNUSED_BY.update(ppo={"SharedArgs"}, vapo={"SharedArgs"})  # their Args inherit it through common.critic.CriticArgs
 # update_policy differs: DARO also steps its bucket weights; Clip-Cov / KL-Cov and M2PO select tokens once per
 # mini-batch over all ranks; VAPO counts the tokens of its LM loss over the mini-batch
 OWN_UPDATE = ("daro", "clip_cov", "m2po", "vapo")
@@ -67,6 +94,69 @@ def test_main_is_mostly_the_loop(name):
     assert main.end_lineno - main.lineno + 1 <= MAX_MAIN
     assert loop.lineno - main.lineno <= MAX_SETUP
     assert len(common_names(source(name))) <= MAX_COMMON_NAMES
+
+
+def args_lines(src: str) -> int:
+    """The lines of Args that define its own flags and overrides: fields and their docstrings, without the class line,
+    comments, blank lines and --exp-name (every script names itself)."""
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    lines = src.splitlines()[cls.lineno : cls.end_lineno]
+    return sum(1 for line in lines if line.strip() and not line.strip().startswith(("#", "exp_name:")))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_args_hold_only_the_algorithm(name):
+    """Args inherits the shared flags and adds only its algorithm's flags and the defaults its paper overrides, each
+    override with its source in a comment (above it or on its line)."""
+    src = source(name)
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    assert [ast.unparse(b) for b in cls.bases] in (["SharedArgs"], ["CriticArgs"]), name  # CriticArgs: the critic's
+    assert args_lines(src) <= MAX_ARGS, f"{name}.py's Args has {args_lines(src)} lines of flags"
+    shared = {f.name for f in dataclasses.fields(CriticArgs)} - {"exp_name"}
+    lines = src.splitlines()
+    overrides = [n for n in cls.body if isinstance(n, ast.AnnAssign) and n.target.id in shared]
+    if overrides:  # a comment opens the block of the paper's defaults (its source), or ends the override's line
+        opened = lines[overrides[0].lineno - 2].strip().startswith("#")
+        bare = [n.target.id for n in overrides if not opened and "  # " not in lines[n.lineno - 1]]
+        assert not bare, f"{name}.py overrides {bare} without a source"
+
+
+def changed_lines(a: str, b: str) -> int:
+    diff = difflib.unified_diff(a.splitlines(), b.splitlines(), n=0, lineterm="")
+    return sum(1 for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def test_diff_against_grpo_shows_the_algorithm():
+    grpo = source("grpo")
+    assert len(grpo.splitlines()) <= MAX_GRPO
+    sizes = {name: changed_lines(grpo, source(name)) for name in SCRIPTS if name != "grpo"}
+    grown = {name: (n, MAX_DIFF[name]) for name, n in sizes.items() if n > MAX_DIFF[name]}
+    assert not grown, f"diff grpo.py X.py grew (now, limit): {grown}"
+
+
+def test_args_json_records_requested_and_resolved(tmp_path):
+    """start() resolves "auto" into a copy (the caller's args untouched), and records what was asked for."""
+    import grpo
+    from common.run import resolve_modes
+
+    asked = grpo.Args(sampler="auto", prompt_template="r1")
+    got = resolve_modes(asked)
+    assert (asked.sampler, asked.reward_format, asked.rollout_correction) == ("auto", "auto", "auto")
+    assert (got.sampler, got.reward_format, got.rollout_correction, got.mixed_precision) == (
+        "hf",
+        "answer-tag",
+        "none",
+        "no",
+    )
+    assert got.requested == {
+        "sampler": "auto",
+        "reward_format": "auto",
+        "rollout_correction": "auto",
+        "mixed_precision": "auto",
+    }
+    assert resolve_modes(grpo.Args(sampler="hf", reward_format="boxed", mixed_precision="no")).requested == {
+        "rollout_correction": "auto"
+    }
 
 
 def test_shared_scaffolding_is_identical():

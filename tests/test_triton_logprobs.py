@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from common import triton_logprobs  # noqa: E402  (imports triton; after TRITON_INTERPRET is set)
 from common.logprobs import TokenLogProbs, chunked_logprobs  # noqa: E402
 from tests.fp_bounds import assert_within, logprob_error_bounds  # noqa: E402
-from tests.test_loss import naive  # noqa: E402  (the float64 full log-softmax reference)
+from tests.test_loss import GemmDtypes, naive  # noqa: E402  (naive: the float64 full log-softmax reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp64 runs in the interpreter only: compiled for CUDA the kernel refuses it (test_fp64_on_cuda_is_refused)
@@ -113,6 +113,29 @@ def test_triton_path_multiplies_in_the_autocast_dtype():
     assert_within(ent, ref_ent, 2 * fused["entropy"], "entropy")
     assert_within(lp, lp_torch, fused["logps"] + torch_path["logps"], "logps vs torch")
     assert_within(ent, ent_torch, fused["entropy"] + torch_path["entropy"], "entropy vs torch")
+
+
+def test_triton_path_backward_multiplies_in_the_autocast_dtype():
+    """The Triton path's backward (the torch path's chunked recompute) runs its three GEMMs per chunk in the autocast
+    dtype too: both paths' gradients are within the half-precision bound of the float64 ones (tests/fp_bounds.py,
+    fp32 inputs rounded by autocast)."""
+    h, w, t = inputs(torch.float32, seed=6)
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 tl.dot
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    lp, _ = naive(hr, wr, t, 0.7)
+    exact = torch.autograd.grad((lp * upstream.double()).sum(), (hr, wr))
+    bound = logprob_error_bounds(h, w, t, 0.7, torch.float32, upstream, rounded_to=half, autocast=True)
+    for kernel in ("triton", "torch"):
+        hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        with torch.autocast(DEVICE, dtype=half):
+            lp, _ = chunked_logprobs(hk, wk, t, 0.7, chunk_size=16, kernel=kernel)
+        with GemmDtypes() as gemms:
+            grads = torch.autograd.grad((lp * upstream).sum(), (hk, wk))
+        assert len(gemms.seen) == 3 * -(-N // 16) and all(set(d[-2:]) == {half} for d in gemms.seen), gemms.seen
+        for name, got, want in zip(("grad_h", "grad_w"), grads, exact):
+            assert got.dtype == torch.float32
+            assert_within(got, want, bound[name], f"{kernel} {name}")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="in fp64, which the compiled kernel refuses")

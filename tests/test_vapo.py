@@ -28,7 +28,7 @@ F64 = torch.float64
 
 
 def make_args(**kw):
-    return vapo.Args(**{"group_size": 4, **kw})
+    return vapo.Args(**{"group_size": 4, "num_mini_batches": 1, **kw})
 
 
 def brute_loss(logps, old, adv, mask, positive, args):
@@ -142,6 +142,9 @@ def test_defaults_are_the_papers():
     a = vapo.Args()
     assert (a.clip_eps_low, a.clip_eps_high, a.lam_critic, a.lam_alpha, a.gamma) == (0.2, 0.28, 1.0, 0.05, 1.0)
     assert (a.value_warmup_steps, a.nll_coef, a.critic_learning_rate, a.critic_num_mini_batches) == (50, 0.1, 2e-6, 16)
+    # §4.1 group sampling in DAPO's setting, one node: 512 prompts x 16, mini-batches of 512, DAPO's data and budget
+    assert (a.group_size, a.prompts_per_step, a.num_mini_batches, a.critic_warmup_steps) == (16, 512, 16, 0)
+    assert (a.dataset_name, a.prompt_template, a.max_new_tokens) == ("open-r1/DAPO-Math-17k-Processed", "dapo", 20480)
     assert vapo.compute_rewards(torch.tensor([1.0, 0.0]), None, torch.tensor([True, False]), a).tolist() == [1, -1]
 
 

@@ -166,6 +166,72 @@ def build_gemma3(out_dir: str, seed: int = 0, softcap: float | None = 30.0) -> s
     return out_dir
 
 
+def tool_block(shown: str) -> str:
+    """The output block the tool appends (common.tool.output_block), as a script's piece."""
+    return f"```output\n{shown}\n```\n"
+
+
+# Tool-use scripts the tool model memorises: prompt -> the completion's pieces, the model's text and the tool's output
+# blocks in turn (each tokenised on its own, as a rollout splices them). C calls nothing; B fails, then calls again;
+# D closes a block that is not python before its program.
+TOOL_SCRIPTS = {
+    "A: ": ["Compute.\n```python\nprint(6 * 7)\n```\n", tool_block("42"), "So \\boxed{42}."],
+    "B: ": [
+        "```python\nprint(1 / 0)\n```\n",
+        tool_block("ZeroDivisionError: division by zero"),
+        "Again.\n```python\nprint(2 ** 10)\n```\n",
+        tool_block("1024"),
+        "\\boxed{1024}",
+    ],
+    "C: ": ["No code: \\boxed{3}."],
+    "D: ": ["```text\nnot code\n```\n", "```python\nprint(3 + 4)\n```\n", tool_block("7"), "\\boxed{7}"],
+}
+
+
+def script_ids(tok, pieces: list[str]) -> tuple[list[int], list[int]]:
+    """A script's completion as the tool model writes it (EOS included) and its mask: the model's text one token per
+    character, which is not how the tokenizer splits it (it merges some), and each output block as the tool encodes
+    it (the tokenizer's split of the block alone, mask 0)."""
+    ids, mask = [], []
+    for piece in pieces:
+        block = piece.startswith("```output")
+        piece_ids = tok(piece, add_special_tokens=False).input_ids if block else [tok(ch).input_ids[0] for ch in piece]
+        ids += piece_ids
+        mask += [0 if block else 1] * len(piece_ids)
+    return ids + [tok.eos_token_id], mask + [1]
+
+
+def build_tool_model(out_dir: str, steps: int = 400, seed: int = 0) -> str:
+    """The vLLM-sized toy model (hidden 128, 2 heads of 64) trained to reproduce TOOL_SCRIPTS (`script_ids`): greedy,
+    it writes each script's programs and, once the tool's output is appended, goes on as the script does. A model
+    that calls the tool on cue, for testing the rollouts (a random model never writes a python block)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_model(out_dir, seed=seed, hidden_size=128, heads=2)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    seqs = [tok(prompt).input_ids + script_ids(tok, pieces)[0] for prompt, pieces in TOOL_SCRIPTS.items()]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    labels = ids.masked_fill(attn == 0, -100)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is ~20x faster than an OpenMP team on busy cores
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def build_all(root: str) -> dict[str, str]:
     """Model dir, train and test jsonl under `root`; returns their paths."""
     os.makedirs(root, exist_ok=True)

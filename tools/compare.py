@@ -48,6 +48,7 @@ IGNORED = {
     "save_every",
     "keep_checkpoints",
     "log_samples_every",
+    "requested",
     "run",
 }
 DEFAULT_TRAIN_KEYS = ["train/accuracy", "train/reward_mean"]

@@ -1,8 +1,9 @@
-"""Side by side: the losses of sapo.py, gmpo.py, dppo.py, clip_cov.py (Clip-Cov and KL-Cov) and m2po.py against the
-peers' own code (verl, TRL, SkyRL, AReaL, prime-rl and the papers' official repositories), on the same random float64
-inputs: for each (loss, peer, configuration) the loss values and max |d loss / d logps ours - theirs|; and ppo.py's
-and vapo.py's GAE, whitening and value loss against verl's, OpenRLHF's and Open-Reasoner-Zero's (the value loss's
-gradient is d loss / d values).
+"""Side by side: the losses of sapo.py, gmpo.py, dppo.py, clip_cov.py (Clip-Cov and KL-Cov) and m2po.py, the
+advantages and losses of reinforce_pp.py and rloo.py, and ppo.py's and vapo.py's GAE, whitening and value loss, against
+the peers' own code (verl, TRL, SkyRL, AReaL, prime-rl, OpenRLHF, Open-Reasoner-Zero and the papers' official
+repositories), on the same random float64 inputs: for each (loss, peer, configuration) the loss values and max |d loss
+/ d logps ours - theirs| (the value loss's: d loss / d values); for an advantage, max |ours - theirs| over the
+completions' tokens.
 
 The peers' code is never copied into this repository: it is read at run time from clones you provide, at the commits
 pinned in PEERS, and only the functions listed in CUTS (path:lines) are cut out and exec'd, with small stand-ins for
@@ -36,6 +37,7 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,6 +49,8 @@ import dppo  # noqa: E402
 import gmpo  # noqa: E402
 import m2po  # noqa: E402
 import ppo  # noqa: E402
+import reinforce_pp  # noqa: E402
+import rloo  # noqa: E402
 import sapo  # noqa: E402
 import vapo  # noqa: E402
 
@@ -57,7 +61,7 @@ VERL, VERL_PR, TRL = "verl-project+verl", "volcengine+verl", "huggingface+trl"
 SKYRL, AREAL, PRIME = "NovaSky-AI+SkyRL", "inclusionAI+AReaL", "PrimeIntellect-ai+prime-rl"
 STABLE, GMPO_OFF = "sail-sg+Stable-RL", "callsys+GMPO"
 COV_OFF, M2PO_OFF = "PRIME-RL+Entropy-Mechanism-of-RL", "Infini-AI-Lab+M2PO"
-OPENRLHF, ORZ = "OpenRLHF+OpenRLHF", "Open-Reasoner-Zero+Open-Reasoner-Zero"
+OPENRLHF, ORZ = "OpenRLHF+OpenRLHF", "Open-Reasoner-Zero+Open-Reasoner-Zero"  # OpenRLHF: REINFORCE++'s code
 
 PEERS: dict[str, str] = {  # repository -> the commit read
     VERL: "1dda039b9c6311889a9c9a26040677e1254814f9",  # 2026-08-22 (volcengine/verl's new home)
@@ -71,12 +75,14 @@ PEERS: dict[str, str] = {  # repository -> the commit read
     GMPO_OFF: "205b2bf412f150cf96c29b33273b81bcd1a9b20f",  # 2025-07-30, GMPO's official code (on oat)
     COV_OFF: "88505792fd97a11993445e93195145e3c1181955",  # 2025-06-26, Clip-Cov / KL-Cov's official code
     M2PO_OFF: "af54a3e8feffb7a66a8258003aebefa37759cec0",  # 2025-10-08, M2PO's official code
-    OPENRLHF: "3c3be6234e0cb353e76bb8019947db9dfe99fca7",  # 2026-08-13
+    OPENRLHF: "3c3be6234e0cb353e76bb8019947db9dfe99fca7",  # 2026-08-13, REINFORCE++'s official code
     ORZ: "3fdd9a07b4fb01e06005e6e74fc56690cde8a341",  # 2025-06-03, Open-Reasoner-Zero's official code
 }
 
 _VF, _VC = "verl/utils/torch_functional.py", "verl/trainer/ppo/core_algos.py"
 _SK = "skyrl/backends/skyrl_train/utils/"
+_ORL, _ORL_EM = "openrlhf/models/", "openrlhf/trainer/ppo_utils/experience_maker.py"
+_TRL_RLOO, _TRL_U = "trl/trainer/rloo_trainer.py", "trl/trainer/utils.py"
 # unit -> the cuts (repository, path, first line, last line, the def/class they hold; "" for a code block), exec'd
 # together in one namespace; decorators are left out, except a dataclass's
 CUTS: dict[str, list[tuple[str, str, int, int, str]]] = {
@@ -137,6 +143,42 @@ CUTS: dict[str, list[tuple[str, str, int, int, str]]] = {
         (M2PO_OFF, _VC, 487, 612, "get_ratio_stats"),
         (M2PO_OFF, _VC, 812, 867, "compute_m2po_policy_loss"),
     ],
+    # REINFORCE++ and RLOO: verl's advantage estimators, its KL penalty (apply_kl_penalty's kl_penalty) and whitening
+    "verl.W": [
+        (VERL, _VF, 273, 291, "masked_sum"),
+        (VERL, _VF, 294, 308, "masked_mean"),
+        (VERL, _VF, 311, 326, "masked_var"),
+        (VERL, _VF, 329, 346, "masked_whiten"),
+    ],
+    "verl.adv": [
+        (VERL, _VC, 694, 731, "compute_reinforce_plus_plus_outcome_advantage"),
+        (VERL, _VC, 536, 584, "compute_reinforce_plus_plus_baseline_outcome_advantage"),
+        (VERL, _VC, 588, 636, "compute_rloo_outcome_advantage"),
+        (VERL, _VC, 834, 868, "compute_rloo_vectorized_outcome_advantage"),
+        (VERL, _VC, 2187, 2212, "kl_penalty"),
+        (VERL, _VC, 2215, 2250, "kl_penalty_forward"),
+    ],
+    "verl.vanilla": [(VERL, _VC, 1140, 1206, "agg_loss"), (VERL, _VC, 1286, 1377, "compute_policy_loss_vanilla")],
+    # OpenRLHF's whole advantage step (baselines, KL in the reward, returns, the global normalisation) and its loss
+    "openrlhf.adv": [
+        (OPENRLHF, _ORL + "utils.py", 64, 95, "compute_approx_kl"),
+        (OPENRLHF, _ORL + "utils.py", 98, 126, "compute_reward"),
+        (OPENRLHF, _ORL_EM, 238, 330, "compute_advantages_and_returns"),
+        (OPENRLHF, _ORL_EM, 380, 411, "get_cumulative_returns"),
+    ],
+    "openrlhf.loss": [
+        (OPENRLHF, _ORL + "utils.py", 166, 169, "masked_mean"),
+        (OPENRLHF, _ORL + "loss.py", 11, 39, "aggregate_loss"),
+        (OPENRLHF, _ORL + "loss.py", 116, 230, "PolicyLoss"),
+    ],
+    "trl.rloo.F": [
+        (TRL, _TRL_U, 857, 890, "nanstd"),
+        (TRL, _TRL_U, 960, 972, "nanmin"),
+        (TRL, _TRL_U, 975, 987, "nanmax"),
+    ],
+    # RLOOTrainer._generate_and_score_completions from the KL in the reward to the advantages (a code block)
+    "trl.rloo.adv": [(TRL, _TRL_RLOO, 1525, 1561, "")],
+    "trl.rloo.loss": [(TRL, _TRL_RLOO, 1655, 1722, "_compute_loss")],
     "m2po.pr.F": [(VERL_PR, _VF, 163, 168, "masked_sum"), (VERL_PR, _VF, 171, 185, "masked_mean")],
     "m2po.pr": [
         (VERL_PR, _VC, 772, 808, "agg_loss"),
@@ -467,12 +509,13 @@ class Row:
     dgrad: float
     expect: bool  # expected to agree
     note: str = ""
+    tol: float = TOL  # "match" below it (a peer that computes in float32: its rounding)
 
     @property
     def result(self) -> str:
         if self.dloss < 1e-12 and self.dgrad < 1e-12:
             return "exact"
-        if self.dloss < TOL and self.dgrad < TOL:
+        if self.dloss < self.tol and self.dgrad < self.tol:
             return "match"
         return "differs (by design)" if not self.expect else "**UNEXPECTED DIFF**"
 
@@ -510,15 +553,22 @@ class Table:
         self.rows.append(Row(loss, peer, config, lo.item(), lt.item(), dl, dg, expect, note))
 
     def record(
-        self, loss: str, peer: str, config: str, fn: Callable[[], tuple[float, float, float, str]], expect=True
+        self,
+        loss: str,
+        peer: str,
+        config: str,
+        fn: Callable[[], tuple[float, float, float, str]],
+        expect: bool = True,
+        tol: float = TOL,
     ) -> None:
-        """A row that is not a loss: fn() gives (ours, theirs, |difference|, note); expected to agree (`expect`)."""
+        """A row that is not a loss: fn() gives (ours, theirs, |difference|, note); `expect`: expected to agree (to
+        `tol`)."""
         try:
             ours, theirs, diff, note = fn()
         except Missing as e:
             self.skip(e)
             return
-        self.rows.append(Row(loss, peer, config, ours, theirs, diff, 0.0, expect, note))
+        self.rows.append(Row(loss, peer, config, ours, theirs, diff, 0.0, expect, note, tol))
 
     def skip(self, e: Missing) -> None:
         if e.repo not in self.skipped:
@@ -1204,6 +1254,301 @@ def run_critic(p: Peers, t: Table) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# REINFORCE++ and RLOO: advantages (the KL in the reward, returns, baselines, normalisation) and losses
+# ---------------------------------------------------------------------------------------------------------------------
+FP32 = 1e-6  # OpenRLHF computes its KL (compute_approx_kl: .float()) and its normalisation in float32
+
+
+def reinforce_inputs(seed: int = 0, holes: bool = False) -> SimpleNamespace:
+    """Random float64 rollouts of B completions in groups of 4: 0/1 rewards, every group mixed; ragged lengths (with
+    `holes`, masked spans inside three completions, as a tool's output); old, reference and current log-probs 0.3
+    apart (no ratio near a clip boundary)."""
+    g, f64 = torch.Generator().manual_seed(seed), torch.float64
+    rewards = torch.randint(0, 2, (B,), generator=g).double()
+    rewards[0::4], rewards[1::4] = 1.0, 0.0
+    lens = torch.randint(4, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lens[:, None]).long()
+    if holes:
+        mask[1, 1:3], mask[5, 0], mask[9, 2:4] = 0, 0, 0
+    old = -torch.rand(B, T, generator=g, dtype=f64) * 3 - 0.02
+    ref = old + 0.3 * torch.randn(B, T, generator=g, dtype=f64)
+    logps = old + 0.3 * torch.randn(B, T, generator=g, dtype=f64)
+    index = np.repeat(np.arange(B // 4), 4)  # verl's uid per prompt
+    return SimpleNamespace(rewards=rewards, lens=lens, mask=mask, old=old, ref=ref, logps=logps, index=index)
+
+
+def adv_row(ours: Tensor, theirs: Tensor, mask: Tensor, note: str = "") -> tuple[float, float, float, str]:
+    """(sum |ours|, sum |theirs|, max |ours - theirs|) over the completions' tokens, for Table.record."""
+    m = mask > 0
+    a, b = ours.double()[m], theirs.double()[m]
+    return a.abs().sum().item(), b.abs().sum().item(), (a - b).abs().max().item(), note
+
+
+def verl_adv(p: Peers) -> dict[str, Any]:
+    ns = p.load("verl.W")
+    verl_f = SimpleNamespace(**{k: ns[k] for k in ("masked_sum", "masked_mean", "masked_whiten")})
+    return p.load("verl.adv", verl_F=verl_f, defaultdict=defaultdict, AlgoConfig=Cfg)
+
+
+def verl_token_rewards(p: Peers, x: SimpleNamespace, beta: float) -> Tensor:
+    """verl's token_level_rewards: the score on the last response token (its reward manager), minus beta times the
+    k1 KL of the rollout policy to the reference on every response token (ray_trainer.apply_kl_penalty)."""
+    scores = torch.zeros_like(x.old)
+    scores[torch.arange(B), x.lens - 1] = x.rewards
+    return scores - beta * verl_adv(p)["kl_penalty"](x.old, x.ref, "kl") * x.mask
+
+
+def openrlhf_adv(p: Peers, x: SimpleNamespace, estimator: str, beta: float, gamma: float = 1.0) -> Tensor:
+    """OpenRLHF's advantages: make_experience's KL (k1 at the rollout policy; zero with --algo.kl.use_loss, the
+    baseline recipe), then its own compute_advantages_and_returns on one experience holding the batch."""
+    import itertools
+    import typing
+
+    extra = {k: getattr(typing, k) for k in ("Union", "Tuple", "List")}
+    extra.update(Experience=Any, itertools=itertools, apply_length_penalties=lambda *a: None)
+    extra.update(logger=SimpleNamespace(warning=print))
+    ns = p.load("openrlhf.adv", **extra)
+    args = SimpleNamespace(
+        rollout=SimpleNamespace(n_samples_per_prompt=4),
+        algo=SimpleNamespace(advantage=SimpleNamespace(estimator=estimator, gamma=gamma, lambd=1.0, no_std_norm=False)),
+        reward=SimpleNamespace(clip_range=(-10, 10)),
+    )
+    kl = ns["compute_approx_kl"](x.old, x.ref, kl_estimator="k1")
+    kl = torch.zeros_like(kl) if estimator == "reinforce_baseline" else kl  # the recipe's KL is a loss
+    self = SimpleNamespace(strategy=SimpleNamespace(args=args), kl_ctl=SimpleNamespace(value=beta))
+    self.advantage_estimator = estimator
+    self.get_cumulative_returns = lambda *a: ns["get_cumulative_returns"](self, *a)
+    exp = SimpleNamespace(index=list(range(B)), rewards=x.rewards.clone(), info={}, kl=kl, action_mask=x.mask)
+    (exp,) = ns["compute_advantages_and_returns"](self, [exp])
+    return exp.advantages
+
+
+def openrlhf_policy_loss(p: Peers, lp: Tensor, old: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """OpenRLHF's PolicyLoss as its actor builds it (clip 0.2 both ways, token_level_loss default True)."""
+    import torch.distributed as dist
+
+    nn_ns = dict(nn=torch.nn, dist=dist, F=torch.nn.functional, Tuple=tuple)
+    loss_fn = p.load("openrlhf.loss", **nn_ns)["PolicyLoss"](clip_eps_low=0.2, clip_eps_high=0.2)
+    return loss_fn(lp, old, adv, action_mask=mask)[0]
+
+
+def verl_vanilla(p: Peers) -> dict[str, Any]:
+    """verl's PPO loss (compute_policy_loss_vanilla) and agg_loss."""
+    algo = type("AlgoConfig", (), {})  # its config must not be one
+    return p.load("verl.vanilla", verl_F=p.functional("verl.F"), AlgoConfig=algo, ActorConfig=Cfg)
+
+
+def run_reinforce_pp(p: Peers, t: Table) -> None:
+    beta = 0.05
+
+    def ours(x: SimpleNamespace, **kw: Any) -> Tensor:
+        args = reinforce_pp.Args(**{"group_size": 4, "beta": beta, "adv_eps": 0.0, **kw})
+        return reinforce_pp.compute_advantages(x.rewards, x.mask, args, x.old, x.ref)
+
+    def unbiased(a: Tensor, x: SimpleNamespace) -> Tensor:  # ours rescaled to verl's unbiased std
+        n = int(x.mask.sum())
+        return a * math.sqrt((n - 1) / n)
+
+    note_verl = (
+        "ours x sqrt((n-1)/n): verl whitens with the unbiased variance and rsqrt(var + 1e-8), ours (OpenRLHF's) the "
+        "population std; the rest equal"
+    )
+    for gamma, holes in ((1.0, False), (0.9, True)):
+        x = reinforce_inputs(1, holes)
+        cfg = f"beta {beta} (k1 in the reward), gamma {gamma}" + (", masked spans" if holes else "")
+
+        def verl_row(x: SimpleNamespace = x, gamma: float = gamma) -> tuple[float, float, float, str]:
+            fn = verl_adv(p)["compute_reinforce_plus_plus_outcome_advantage"]
+            theirs = fn(verl_token_rewards(p, x, beta), x.mask, config=Cfg(gamma=gamma))[0]
+            return adv_row(unbiased(ours(x, gamma=gamma), x), theirs, x.mask, note_verl)
+
+        t.record("REINFORCE++ advantages", "verl reinforce_plus_plus", cfg, verl_row, tol=1e-7)
+
+        def orl_row(
+            x: SimpleNamespace = x, gamma: float = gamma, holes: bool = holes
+        ) -> tuple[float, float, float, str]:
+            theirs = openrlhf_adv(p, x, "reinforce", beta, gamma)
+            note = (
+                "float32 in OpenRLHF"
+                if not holes
+                else (
+                    "OpenRLHF discounts across a masked span (get_cumulative_returns applies gamma at every position), "
+                    "ours and verl carry the return past it undiscounted; equal at gamma 1 or without masked spans"
+                )
+            )
+            return adv_row(ours(x, gamma=gamma), theirs, x.mask, note)
+
+        t.record("REINFORCE++ advantages", "OpenRLHF reinforce", cfg, orl_row, expect=not holes, tol=FP32)
+    x = reinforce_inputs(2)
+
+    def eps_row() -> tuple[float, float, float, str]:
+        args = reinforce_pp.Args(group_size=4, beta=beta)
+        mine = reinforce_pp.compute_advantages(x.rewards, x.mask, args, x.old, x.ref)
+        note = "ours divides by std + 1e-6 (eq. 5), OpenRLHF by sqrt(max(var, 1e-8)): a relative 1e-6 / std"
+        return adv_row(mine, openrlhf_adv(p, x, "reinforce", beta), x.mask, note)
+
+    t.record("REINFORCE++ advantages", "OpenRLHF reinforce", "our default --adv-eps 1e-6", eps_row, expect=False)
+    for peer, fn_name in (("verl reinforce_plus_plus_baseline", "verl"), ("OpenRLHF reinforce_baseline", "orl")):
+
+        def base_row(fn_name: str = fn_name) -> tuple[float, float, float, str]:
+            mine = ours(x, group_baseline=True)
+            if fn_name == "orl":
+                return adv_row(mine, openrlhf_adv(p, x, "reinforce_baseline", beta), x.mask, "float32 in OpenRLHF")
+            scores = verl_token_rewards(p, x, 0.0)  # the KL is a loss in this variant
+            fn = verl_adv(p)["compute_reinforce_plus_plus_baseline_outcome_advantage"]
+            return adv_row(unbiased(mine, x), fn(scores, x.mask, x.index)[0], x.mask, note_verl)
+
+        t.record("REINFORCE++ w/ Baseline advantages", peer, "groups of 4, KL not in the reward", base_row, tol=FP32)
+
+    # the loss: eq. 1's per-sequence token mean (verl's seq-mean-token-mean); OpenRLHF takes a token mean
+    adv = ours(x)
+    cfg = verl_cfg(clip_ratio_c=1e4)  # verl's dual clip (3.0) acts only at ratios above 3 with A < 0
+    args = reinforce_pp.Args(group_size=4, beta=beta, rollout_correction="none")
+
+    def mine(lp: Tensor) -> Tensor:
+        return reinforce_pp.compute_policy_loss(lp, x.old, adv, x.mask, args, ref_logps=x.ref)[0]
+
+    def vanilla(lp: Tensor) -> Tensor:
+        fn = verl_vanilla(p)["compute_policy_loss_vanilla"]
+        return fn(x.old, lp, adv, x.mask, loss_agg_mode="seq-mean-token-mean", config=cfg)[0]
+
+    lx = SimpleNamespace(logps=x.logps)
+    t.compare("REINFORCE++ loss", "verl vanilla", "seq-mean-token-mean, A per token", mine, vanilla, lx)
+    t.compare(
+        "REINFORCE++ loss",
+        "OpenRLHF PolicyLoss",
+        "its default token_level_loss",
+        mine,
+        lambda lp: openrlhf_policy_loss(p, lp, x.old, adv, x.mask),
+        lx,
+        note="OpenRLHF averages over all tokens of the batch; eq. 1 (ours, verl's seq-mean-token-mean) per sequence",
+        expect=False,
+    )
+    base = reinforce_pp.Args(group_size=4, beta=beta, group_baseline=True, rollout_correction="none")
+    base_adv = ours(x, group_baseline=True)
+
+    def verl_base(lp: Tensor) -> Tensor:  # dp_actor: policy loss + kl_loss_coef * agg_loss(kl_penalty(k2))
+        vloss = verl_vanilla(p)
+        pg = vloss["compute_policy_loss_vanilla"](x.old, lp, base_adv, x.mask, "seq-mean-token-mean", config=cfg)[0]
+        kld = verl_adv(p)["kl_penalty"](lp, x.ref, "k2")
+        return pg + beta * vloss["agg_loss"](kld, x.mask, "seq-mean-token-mean")
+
+    t.compare(
+        "REINFORCE++ w/ Baseline loss",
+        "verl vanilla + k2 kl loss",
+        "seq-mean-token-mean, kl_loss_coef = beta",
+        lambda lp: reinforce_pp.compute_policy_loss(lp, x.old, base_adv, x.mask, base, ref_logps=x.ref)[0],
+        verl_base,
+        lx,
+    )
+
+
+def trl_rloo_loss(p: Peers, lp: Tensor, x: SimpleNamespace, adv: Tensor, old: Tensor) -> Tensor:
+    """RLOOTrainer._compute_loss with a stand-in `self` whose log-prob forward returns `lp` (one completion is one
+    action: the sequence ratio, clipped at 0.2, a mean over completions)."""
+    f = p.load("trl.rloo.F")
+    fn = p.load("trl.rloo.loss", nanmin=f["nanmin"], nanmax=f["nanmax"])["_compute_loss"]
+    z = torch.zeros(B, 1, dtype=torch.long)
+    self = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros_like(lp), None),
+        aux_loss_enabled=False,
+        accelerator=FakeAccelerator(),
+        model=SimpleNamespace(training=True),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+    )
+    inputs = dict(prompt_ids=z, prompt_mask=z, completion_ids=torch.zeros(B, T, dtype=torch.long))
+    inputs.update(completion_mask=x.mask, advantages=adv, old_logps=(old * x.mask).sum(1))
+    return fn(self, None, inputs)
+
+
+def run_rloo(p: Peers, t: Table) -> None:
+    beta = 0.05
+    x = reinforce_inputs(3)
+
+    def ours(b: float = beta) -> Tensor:
+        args = rloo.Args(group_size=4, beta=b)
+        return rloo.compute_advantages(rloo.kl_shaped_rewards(x.rewards, x.mask, x.old, x.ref, args), args)
+
+    def per_token(a: Tensor) -> Tensor:
+        return a[:, None].expand(B, T)
+
+    def verl_row(name: str) -> Callable[[], tuple[float, float, float, str]]:
+        def row() -> tuple[float, float, float, str]:
+            theirs = verl_adv(p)[name](verl_token_rewards(p, x, beta), x.mask, x.index)[0]
+            return adv_row(per_token(ours()), theirs, x.mask, "the summed token rewards carry the KL (eq. 3)")
+
+        return row
+
+    cfg = f"groups of 4, beta {beta} (k1 summed in the reward)"
+    t.record("RLOO advantages", "verl rloo", cfg, verl_row("compute_rloo_outcome_advantage"))
+    t.record("RLOO advantages", "verl rloo_vectorized", cfg, verl_row("compute_rloo_vectorized_outcome_advantage"))
+
+    def trl_row() -> tuple[float, float, float, str]:
+        code = compile(p.code("trl.rloo.adv"), "<trl.rloo.adv>", "exec")
+        env = dict(torch=torch, self=SimpleNamespace(beta=beta, normalize_advantages=False), rewards=x.rewards.clone())
+        env.update(old_per_token_logps=x.old, ref_per_token_logps=x.ref, completion_mask=x.mask, gather=lambda v: v)
+        env.update(num_generations=4, nanstd=p.load("trl.rloo.F")["nanstd"])
+        exec(code, env)
+        return adv_row(per_token(ours()), per_token(env["advantages"]), x.mask)
+
+    t.record("RLOO advantages", "TRL RLOOTrainer", cfg + ", normalize_advantages False", trl_row)
+    for b in (0.0, beta):
+
+        def orl_row(b: float = b) -> tuple[float, float, float, str]:
+            note = (
+                "float32 in OpenRLHF"
+                if b == 0
+                else (
+                    "OpenRLHF's baseline is the others' task reward without their KL, and each token gets the KL of "
+                    "the tokens after it (its returns), not the completion's sum"
+                )
+            )
+            return adv_row(per_token(ours(b)), openrlhf_adv(p, x, "rloo", b), x.mask, note)
+
+        t.record("RLOO advantages", "OpenRLHF rloo", f"groups of 4, beta {b}", orl_row, expect=b == 0, tol=FP32)
+
+    # the loss: REINFORCE on the completion (ours) vs TRL's clipped sequence ratio: the same gradient on-policy
+    adv = ours()
+    args = rloo.Args(group_size=4, beta=beta, rollout_correction="none")
+    for name, old in (("on-policy (pi_old = pi)", x.logps), ("off-policy (pi_old 0.3 apart)", x.old)):
+
+        def grad_row(old: Tensor = old) -> tuple[float, float, float, str]:
+            g1 = value_and_grad(lambda lp: rloo.compute_policy_loss(lp, old, adv, x.mask, args)[0], x.logps)[1]
+            g2 = value_and_grad(lambda lp: trl_rloo_loss(p, lp, x, adv, old), x.logps)[1]
+            note = "gradients (the surrogates' values differ): " + (
+                "-A_i / N on every token for both"
+                if old is x.logps
+                else "TRL weighs completion i by its clipped sequence ratio pi(o_i) / pi_old(o_i); the paper's "
+                "second step (ours) has no ratio"
+            )
+            return g1.abs().sum().item(), g2.abs().sum().item(), (g1 - g2).abs().max().item(), note
+
+        t.record("RLOO loss (gradient)", "TRL RLOOTrainer _compute_loss", name, grad_row, expect=old is x.logps)
+    clip = rloo.Args(group_size=4, beta=beta, rloo_loss="token-clip", rollout_correction="none")
+    cfg = verl_cfg(clip_ratio_c=1e4)
+    lx = SimpleNamespace(logps=x.logps)
+
+    def mine(lp: Tensor) -> Tensor:
+        return rloo.compute_policy_loss(lp, x.old, adv, x.mask, clip)[0]
+
+    def vanilla(lp: Tensor) -> Tensor:
+        fn = verl_vanilla(p)["compute_policy_loss_vanilla"]
+        return fn(x.old, lp, per_token(adv), x.mask, loss_agg_mode="token-mean", config=cfg)[0]
+
+    t.compare("RLOO loss", "verl vanilla", "--rloo-loss token-clip, token-mean", mine, vanilla, lx)
+    t.compare(
+        "RLOO loss",
+        "OpenRLHF PolicyLoss",
+        "--rloo-loss token-clip",
+        mine,
+        lambda lp: openrlhf_policy_loss(p, lp, x.old, per_token(adv), x.mask),
+        lx,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------------------------------
 def fmt(v: float) -> str:
@@ -1254,7 +1599,7 @@ def main() -> int:
     opts = parser.parse_args()
     torch.set_default_dtype(torch.float64)  # tensors the peers' code creates
     p, t = Peers(opts.mirrors), Table()
-    for run in (run_sapo, run_gmpo, run_dppo, run_cov, run_m2po, run_critic):
+    for run in (run_sapo, run_gmpo, run_dppo, run_cov, run_m2po, run_reinforce_pp, run_rloo, run_critic):
         run(p, t)
     text = markdown(t, p, shlex.join(["python", "tools/compare_peers.py", *sys.argv[1:]]))
     print(text)

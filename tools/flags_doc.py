@@ -1,7 +1,7 @@
-"""Writes docs/flags.md from the scripts' Args: every flag with its default and its help (the field's docstring, what
-`--help` prints), grouped as grpo.py's Args groups them, then each script's defaults and flags that differ from
-grpo.py's. NOTES adds what a two-line help leaves out (definitions, provenance, links); tests/test_docs.py checks that
-docs/flags.md is this script's output.
+"""Writes docs/flags.md from common/args.py and the scripts' Args: every shared flag with its default and its help (the
+field's docstring, what `--help` prints), grouped as SharedArgs groups them, grpo.py's own flags, then each script's
+defaults and flags that differ from grpo.py's, with the source the script gives in a comment. NOTES adds what a two-line
+help leaves out (definitions, provenance, links); tests/test_docs.py checks that docs/flags.md is this script's output.
 
     python tools/flags_doc.py            # rewrites docs/flags.md
     python tools/flags_doc.py --check    # exit 1 if docs/flags.md is not current
@@ -19,8 +19,10 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common.args import SharedArgs, field_docs  # noqa: E402
+
 SCRIPTS = ["grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro", "sapo", "gmpo", "dppo", "clip_cov", "m2po"]
-SCRIPTS += ["ppo", "vapo"]
+SCRIPTS += ["reinforce_pp", "rloo", "ppo", "vapo"]
 OUT = os.path.join(ROOT, "docs", "flags.md")
 
 # What a help line leaves out, appended to the flag's meaning (every script's flag of that name).
@@ -51,26 +53,30 @@ NOTES = {
 }
 
 
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass (what tyro shows as the help), whitespace folded."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    pairs = zip(body, body[1:])
-    docs = {a.target.id: b.value.value for a, b in pairs if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    return {name: " ".join(doc.split()) for name, doc in docs.items()}
-
-
 def sections(cls) -> list[tuple[str, list[str]]]:
-    """The `# Section` comments of an Args class and the fields under each."""
+    """The `# Section` comments of a dataclass's own body and the fields under each (a field before any comment goes
+    under "")."""
     source = textwrap.dedent(inspect.getsource(cls))
-    lines = source.splitlines()
-    fields = [(n.lineno, n.target.id) for n in ast.parse(source).body[0].body if isinstance(n, ast.AnnAssign)]
-    out = []
-    for i, line in enumerate(lines, 1):
+    fields = {n.lineno: n.target.id for n in ast.parse(source).body[0].body if isinstance(n, ast.AnnAssign)}
+    out: list[tuple[str, list[str]]] = [("", [])]
+    for i, line in enumerate(source.splitlines(), 1):
         if line.strip().startswith("# "):
             out.append((line.strip()[2:], []))
-        for lineno, name in fields:
-            if lineno == i:
-                out[-1][1].append(name)
+        if i in fields:
+            out[-1][1].append(fields[i])
+    init = {f.name for f in dataclasses.fields(cls) if f.init}  # `requested` is no flag
+    return [(title, [n for n in names if n in init]) for title, names in out if set(names) & init]
+
+
+def sources(cls) -> dict[str, str]:
+    """The comment at the end of each field's line in a dataclass's own body: where a script's default comes from."""
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    out = {}
+    for n in ast.parse("\n".join(lines)).body[0].body:
+        if isinstance(n, ast.AnnAssign) and n.end_lineno == n.lineno:
+            code, _, comment = lines[n.lineno - 1].partition("  # ")
+            if comment and n.end_col_offset <= len(code):
+                out[n.target.id] = comment.strip()
     return out
 
 
@@ -86,6 +92,13 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def table(names: list[str], docs: dict[str, str], defaults) -> list[str]:
+    out = ["| flag | default (grpo.py) | `--help` | more |", "|---|---|---|---|"]
+    for n in names:
+        out.append(f"| {flag(n)} | {default(getattr(defaults, n))} | {cell(docs[n])} | {cell(NOTES.get(n, ''))} |")
+    return out
+
+
 def render() -> str:
     mods = {s: importlib.import_module(s) for s in SCRIPTS}
     grpo = mods["grpo"].Args
@@ -93,37 +106,43 @@ def render() -> str:
     out = [
         "# Flags",
         "",
-        "<!-- written by tools/flags_doc.py from the scripts' Args: edit those (or its NOTES), then rerun it -->",
+        "<!-- written by tools/flags_doc.py from common/args.py and the scripts' Args: edit those (or its NOTES), "
+        "then rerun it -->",
         "",
-        "Every script takes the same scaffolding flags; `python X.py --help` lists all of them with their",
+        "Every script takes the shared flags of `common/args.py:SharedArgs`; its own `Args` adds its algorithm's",
+        "flags and overrides the defaults its paper changes. `python X.py --help` lists all of them, flat, with their",
         "documentation and the script's defaults.",
     ]
-    for title, names in sections(grpo):
-        out += ["", f"**{title}**", "", "| flag | default (grpo.py) | `--help` | more |", "|---|---|---|---|"]
-        for n in names:
-            out.append(f"| {flag(n)} | {default(getattr(defaults, n))} | {cell(docs[n])} | {cell(NOTES.get(n, ''))} |")
+    for title, names in sections(SharedArgs):
+        out += ["", f"**{title}**", "", *table(names, docs, defaults)]
+    shared = {f.name for f in dataclasses.fields(SharedArgs)}
+    own = [f.name for f in dataclasses.fields(grpo) if f.name not in shared]
+    out += ["", "**Algorithm specific arguments (grpo.py)**", "", *table(own, docs, defaults)]
     out += [
         "",
-        "**Per-script defaults that differ from grpo.py, and each script's own flags**",
+        "**Per-script defaults that differ from grpo.py (with the source the script gives), and each script's own "
+        "flags**",
         "",
-        "| script | flag | default | `--help` |",
-        "|---|---|---|---|",
+        "| script | flag | default | `--help` | source |",
+        "|---|---|---|---|---|",
     ]
-    grpo_fields = [f.name for f in dataclasses.fields(grpo)]
+    grpo_fields = [f.name for f in dataclasses.fields(grpo) if f.init]
     for script in SCRIPTS[1:]:
-        args, its_docs = mods[script].Args, field_docs(mods[script].Args)
+        args, its_docs, its_sources = mods[script].Args, field_docs(mods[script].Args), sources(mods[script].Args)
         values = args()
         for f in dataclasses.fields(args):
             n = f.name
-            if n in grpo_fields and getattr(values, n) == getattr(defaults, n) and its_docs[n] == docs[n]:
+            if not f.init or n == "exp_name":
                 continue
-            if n == "exp_name":
+            same = n in grpo_fields and getattr(values, n) == getattr(defaults, n) and its_docs[n] == docs[n]
+            if same and n not in its_sources:
                 continue
-            out.append(f"| {script}.py | {flag(n)} | {default(getattr(values, n))} | {cell(its_docs[n])} |")
+            src = cell(its_sources.get(n, ""))
+            out.append(f"| {script}.py | {flag(n)} | {default(getattr(values, n))} | {cell(its_docs[n])} | {src} |")
         removed = [n for n in grpo_fields if n not in {f.name for f in dataclasses.fields(args)}]
         if removed:
             gone = ", ".join(flag(n) for n in removed)
-            out.append(f"| {script}.py | (removed) {gone} | | not part of this algorithm |")
+            out.append(f"| {script}.py | (removed) {gone} | | not part of this algorithm | |")
     return "\n".join(out) + "\n"
 
 

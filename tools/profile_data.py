@@ -22,13 +22,10 @@ cut short by a smaller budget, or scored in another format, gives another pass r
 
 from __future__ import annotations
 
-import ast
-import inspect
 import json
 import os
 import re
 import sys
-import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Annotated, get_type_hints
 
@@ -36,28 +33,19 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
+from common.args import SharedArgs, field_docs  # noqa: E402
 
 NO_REASONING_WORDS = 5  # a final answer with fewer words than this around it "answers without reasoning"
 _WORDS = re.compile(r"(?<![\\A-Za-z])[A-Za-z]+")
 
 
-# The run's flags, taken from grpo.Args with their types, defaults and help (every script has them, some with other
-# defaults): pass the values of the run the profile is for, so that it loads, templates, samples and scores the data
-# as that run will.
+# The run's flags, taken from the scripts' shared flags (common/args.py) with their types, defaults and help (some
+# scripts have other defaults): pass the values of the run the profile is for, so that it loads, templates, samples
+# and scores the data as that run will.
 RUN_FLAGS = """model_name_or_path dataset_name dataset_config dataset_split prompt_column answer_column prompt_template
 reward_format max_prompt_tokens max_bad_answer_frac sampler max_new_tokens temperature top_p seed""".split()
 
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, as the scripts' Args write them (tyro shows it as the help)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    pairs = zip(body, body[1:])
-    docs = {a.target.id: b.value.value for a, b in pairs if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-    return {name: " ".join(doc.split()) for name, doc in docs.items()}
-
-
-_types, _docs, _defaults = get_type_hints(grpo.Args), field_docs(grpo.Args), grpo.Args()
+_types, _docs, _defaults = get_type_hints(SharedArgs), field_docs(SharedArgs), SharedArgs(exp_name="profile")
 RunFlags = make_dataclass(
     "RunFlags",
     [(n, Annotated[_types[n], tyro.conf.arg(help=_docs[n])], field(default=getattr(_defaults, n))) for n in RUN_FLAGS],

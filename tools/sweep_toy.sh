@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All the scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
+# All sixteen scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
 #   bash tools/sweep_toy.sh [out_dir [flag ...]]
 # Flags after out_dir go to every script and win over the ones below, e.g. another seed:
 #   PLOT=/tmp/toy_s2.png bash tools/sweep_toy.sh /tmp/learn/s2 --seed 2
@@ -23,7 +23,10 @@ python gmpo.py $common --num-mini-batches 2 "$@"
 python dppo.py $common --num-mini-batches 1 "$@"
 python clip_cov.py $common --num-mini-batches 2 "$@"
 python m2po.py $common "$@"
+python reinforce_pp.py $common "$@"
+python rloo.py $common "$@"
 python ppo.py $common --truncated-reward keep --critic-learning-rate 3e-3 --critic-warmup-steps 0 \
   --critic-num-mini-batches 1 "$@"
-python vapo.py $common --critic-learning-rate 3e-3 --critic-num-mini-batches 1 --value-warmup-steps 1 "$@"
+python vapo.py $common --critic-learning-rate 3e-3 --critic-num-mini-batches 1 --value-warmup-steps 1 \
+  --num-mini-batches 1 "$@"
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out "${PLOT:-docs/toy_sweep.png}"

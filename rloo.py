@@ -1,0 +1,322 @@
+# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+"""RLOO: REINFORCE with a leave-one-out baseline, each completion one action.
+
+Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4 (the KL-shaped
+reward), §2.3 (the estimator), App. C (training details). No official code; the implementations
+tools/compare_peers.py runs beside this one: TRL's RLOOTrainer, verl's and OpenRLHF's rloo.
+
+What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its
+reward carries the KL to a frozen reference summed over its tokens (k1, at the policy that
+sampled); its advantage is that reward minus the mean reward of the other G - 1 completions of its
+prompt (no std); the loss is REINFORCE's, the advantage times the completion's log-probability,
+averaged over completions, with no ratio, no clip and no KL term:
+
+    R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))                      (eq. 3-4)
+    A_i = R_i - 1/(G-1) sum_{j != i} R_j  =  G/(G-1) (R_i - mean_g R)                   (§2.3)
+    L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
+
+Every token of a completion gets the gradient -A_i / N: a long completion moves the policy more
+than a short one (GRPO divides by |o_i|). The paper takes 2 gradient steps per rollout (App. C)
+and writes its estimator without an importance ratio or clip (§2.3); this script applies it on
+both steps, the second on samples of the policy before the first. --rloo-loss token-clip is
+verl's and OpenRLHF's RLOO: PPO's clip per token, A_i on every token, a token mean. TRL's
+RLOOTrainer clips the sequence ratio pi(o_i) / pi_old(o_i): the same gradient on the first step,
+not on the second.
+
+Defaults: App. C's TL;DR run (Pythia-6.9B): beta = 0.03, a rollout of 512 in 2 optimizer steps of
+256, a constant lr of 1e-6 after a linear warm-up over 3% of the steps, 600 steps; G = 4 (the paper
+runs k = 2 and 4; k = 4 is ahead on 2 of its 3 settings, Table 1). Our choices: the 512 are
+completions (128 prompts x 4), the warm-up 3% of the 1200 optimizer steps (36); grpo.py's model,
+data, length (1024) and evaluation (the paper: summarisation and dialogue with reward models). A
+group of one completion cannot occur (--group-size >= 2; verl keeps its raw reward). Not from the
+paper: the verifier reads the template's answer format (--reward-format auto), and
+--rollout-correction (on with vLLM) weights each token's policy term.
+
+    accelerate launch rloo.py                                  # the paper setting, on GPUs
+    python rloo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+
+from common.args import SharedArgs
+from common.batching import grad_normalizers, make_batch, micro_batch, micro_batches
+from common.data import load_data
+from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
+from common.metrics import Timer, add_stats, evaluate, step_metrics
+from common.reward import score
+from common.run import (
+    load_model,
+    load_reference,
+    load_sampler,
+    open_run,
+    prepare_training,
+    resume,
+    save_checkpoint,
+    start,
+)
+
+
+@dataclass
+class Args(SharedArgs):
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    # App. C, the TL;DR run; the model and data are grpo.py's
+    group_size: int = 4  # k, samples per prompt (the paper runs 2 and 4)
+    prompts_per_step: int = 128  # rollout batch 512 (completions)
+    warmup_steps: int = 36  # linear warm-up over 3% of the 1200 optimizer steps
+    total_steps: int = 600  # RL steps
+    num_mini_batches: int = 2  # step batch 256: two gradient steps per rollout
+
+    # Algorithm specific arguments
+    beta: float = 0.03
+    """KL coefficient: R = r - beta sum_t log(pi_old / pi_ref) (0 loads no reference model)"""
+    rloo_loss: Literal["reinforce", "token-clip"] = "reinforce"
+    """reinforce: -A sum_t log pi, the paper's; token-clip: PPO's clip per token, token mean (verl)"""
+    clip_eps_low: float = 0.2
+    """--rloo-loss token-clip: ratios below 1 - clip_eps_low stop negative-advantage gradients"""
+    clip_eps_high: float = 0.2
+    """--rloo-loss token-clip: ratios above 1 + clip_eps_high stop positive-advantage gradients"""
+
+
+# ALGO LOGIC: rewards, advantages and the loss
+def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
+    """The task reward r_i: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    return correct.float()
+
+
+def kl_shaped_rewards(rewards, mask, old_logps, ref_logps, args: Args) -> torch.Tensor:
+    """R_i = r_i - beta sum_t (log pi_old - log pi_ref)(o_it) (eq. 3-4: k1 summed over the
+    completion, at the policy that sampled it). rewards: [N]; mask, old_logps, ref_logps: [N, T]."""
+    if args.beta == 0:
+        return rewards
+    return rewards - args.beta * ((old_logps - ref_logps) * mask).sum(-1)
+
+
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """A_i = R_i - 1/(G-1) sum_{j != i} R_j (§2.3). rewards: [N], the KL-shaped R, groups
+    contiguous. A group whose rewards are all equal gets A = 0."""
+    r = rewards.view(-1, args.group_size)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (args.group_size - 1)  # the other G - 1
+    return (r - baseline).view(-1)
+
+
+def compute_policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    args: Args,
+    num_tokens: torch.Tensor | None = None,
+    num_seqs: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    rollout_logps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RLOO loss (§2.3): -1/N sum_i A_i sum_t log pi(o_it); --rloo-loss token-clip:
+    -1/sum_i |o_i| sum_i sum_t min(r A_i, clip(r) A_i).
+
+    logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
+    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
+    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
+    so they add up over micro-batches too."""
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+        return (x * mask).sum() / num_tokens
+
+    log_ratio = logps - old_logps
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None]
+    # 1 without --rollout-correction
+    rc_weight, stats = rollout_correction(old_logps, rollout_logps, mask, args, num_tokens)
+    if args.rloo_loss == "reinforce":  # the completion's log-probability: a sum over its tokens
+        loss = (-adv * logps * rc_weight * mask).sum() / num_seqs
+    else:
+        clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
+        surrogate = torch.minimum(ratio * adv, clipped * adv)
+        loss = token_mean(-surrogate * rc_weight)
+        with torch.no_grad():
+            stats["clip_frac_low"] = token_mean((ratio < 1 - args.clip_eps_low) & (adv < 0))
+            stats["clip_frac_high"] = token_mean((ratio > 1 + args.clip_eps_high) & (adv > 0))
+    with torch.no_grad():
+        stats["policy_loss"] = loss.detach()
+        stats["approx_kl"] = token_mean((ratio - 1) - log_ratio)  # k3 estimate of KL(old || new)
+        if ref_logps is not None:  # the k1 of the reward, per token
+            stats["kl_ref"] = token_mean(old_logps - ref_logps)
+    return loss, stats
+
+
+# TRY NOT TO MODIFY: the update loop
+def update_policy(
+    policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
+):
+    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
+    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
+    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
+    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
+    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
+    host."""
+    n, device = batch["ids"].shape[0], batch["ids"].device
+    num_mini_batches = num_mini_batches or args.num_mini_batches
+    mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
+    stats, norms, skipped, canary = {}, [], 0, LogprobCanary()
+    for epoch in range(args.ppo_epochs):
+        seed = args.seed * 1_000_003 + step * 101 + epoch
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        for mb in range(num_mini_batches):
+            mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
+            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
+            num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
+            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+                for j, m in enumerate(micro):
+                    last = j == len(micro) - 1
+                    accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
+                    with contextlib.nullcontext() if last else accelerator.no_sync(policy):
+                        logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
+                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        old = m.get("old_logps", logps.detach())
+                        adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
+                        extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
+                        loss, mb_stats = compute_policy_loss(
+                            logps, old, adv, mask, args, num_tokens, num_seqs, **extra
+                        )
+                        accelerator.backward(loss)
+                    mb_stats.update(loss=loss, entropy=(entropy * mask).sum() / num_tokens)
+                    add_stats(stats, mb_stats, 1 / updates)
+                    if "sampler_logps" in m and epoch == 0 and mb == 0:  # sampler = our weights
+                        canary.add(logps, m["sampler_logps"], mask)
+            norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            # under DeepSpeed a float, or None
+            norm = torch.as_tensor(torch.nan if norm is None else norm, device=device)
+            if torch.isfinite(norm):  # one host sync per optimizer step, never per micro-batch
+                optimizer.step()
+            else:
+                skipped += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            norms.append(norm.detach().float())
+    stats.update(
+        canary.stats(), grad_norm=torch.stack(norms).mean(), skipped_updates=float(skipped)
+    )
+    return stats
+
+
+def main(args: Args) -> None:
+    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
+    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    tokenizer, model = load_model(args)
+    data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
+    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    policy, optimizer, scheduler = prepare_training(args, model, accelerator)
+    ref_policy = None
+    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+        ref_policy = load_reference(args, accelerator, policy)
+    sampler = load_sampler(args, model, tokenizer, accelerator)
+    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+        run.log(evaluate(sampler, eval_sets, args), 0)
+        return run.close(sampler)
+    start_step = resume(args, run, policy, sampler, data) if args.resume else 0
+
+    for step in range(start_step, args.total_steps):
+        timer = Timer()
+        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
+        # --off-policy-steps K: generated K steps ago, by that step's policy
+        rows, completions, staleness = data.rollout(step, sampler, rank, world)
+        prompts = [data.prompts[i] for i in rows]
+        if args.vllm_enable_sleep_mode:
+            sampler.sleep()  # free vLLM's memory for training; update_weights wakes it
+        timer.lap("generate")
+        golds = [data.golds[i] for i in rows for _ in range(args.group_size)]
+        texts = [c.text for c in completions]
+        correct, reward_info = score(texts, golds, answer_format=args.reward_format)
+        correct = torch.tensor(correct, device=device)
+        lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
+        truncated = torch.tensor([c.truncated for c in completions], device=device)
+        timer.lap("reward")
+
+        # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
+        rewards = compute_rewards(correct, lengths, truncated, args)
+        # DATA: --gt-injection / --replay may replace groups (then the rewards follow); the
+        # metrics describe the policy's own samples
+        groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
+        trained_rewards = rewards
+        if groups.changed:
+            t = groups.tensors(device)
+            trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
+
+        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        pad_id = tokenizer.pad_token_id
+        # the rewards hold the advantages' place until the log-probs are in
+        batch = make_batch(groups.prompts, groups.completions, trained_rewards, pad_id, device)
+        plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
+        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        recompute = (
+            args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
+        )
+        recompute = recompute or args.beta > 0  # ALGO LOGIC: the KL in the reward is at pi_old
+        with torch.no_grad():
+            if recompute:
+                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
+            if ref_policy is not None:
+                batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
+            # ALGO LOGIC: the KL-shaped reward, then the leave-one-out advantages; a replayed
+            # row's KL is at today's policy (update_replay caps its ratio by the advantage's sign)
+            shaped = kl_shaped_rewards(
+                trained_rewards, batch["mask"], batch.get("old_logps"), batch.get("ref_logps"), args
+            )
+            batch["advantages"] = compute_advantages(shaped, args)
+            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
+        any_signal = (batch["advantages"] != 0).any().float().reshape(1)
+        has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
+        timer.lap("old_logprobs")
+
+        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
+        if has_signal:
+            stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
+        run.count_bad_updates(int(stats["skipped_updates"]), step)
+        timer.lap("train")
+        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
+        timer.lap("weight_sync")
+
+        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        stats.update(
+            no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
+        )
+        metrics = step_metrics(
+            accelerator, completions, correct, rewards, reward_info, stats, timer, args.group_size
+        )
+        metrics.update(data.metrics(groups, accelerator))
+        last_step = step + 1 == args.total_steps
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or last_step):
+            metrics.update(evaluate(sampler, eval_sets, args))
+        run.log(metrics, step)
+        run.log_samples(step, prompts, texts, rewards, tokenizer.decode)
+        stopping = run.stop_requested()  # SIGINT / SIGTERM: finish the step, save, exit cleanly
+        if stopping or (
+            args.save_every > 0 and (step + 1) % args.save_every == 0 and not last_step
+        ):
+            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1)
+        if stopping:
+            accelerator.print(
+                f"stopped by signal after step {step + 1}; resume: --resume {run.dir}"
+            )
+            return run.close(sampler)
+
+    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps)
+    accelerator.print(f"done: {run.dir}")
+    run.close(sampler)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

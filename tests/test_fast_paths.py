@@ -1,0 +1,334 @@
+"""The trainer's speed paths compute what the plain path computes: each weight cast to bf16 once per optimizer step
+(`common.logprobs.weights_cast_once`, on a CPU under bf16 autocast), padding-free micro-batches
+(`TokenLogProbs(padding_free=True)`, float64, ten families, sdpa and eager); the optional kernels (common/kernels.py)
+refuse in one line where they cannot work. On CUDA (`gpu`): Liger's kernels and flash-attn's varlen attention."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from types import MethodType, SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common.batching import micro_batches
+from common.kernels import compile_decoder_layers, padding_free_attention, use_liger_kernels
+from common.logprobs import TokenLogProbs, weights_cast_once
+from tests import test_families
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def tiny_qwen2(gradient_checkpointing: bool = False, dtype=torch.float32):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True)).to(dtype)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def bf16_forward(policy: torch.nn.Module, device: str = "cpu") -> torch.nn.Module:
+    """`policy` with its forward under bf16 autocast and fp32 outputs, as accelerate's prepare_model wraps it with
+    mixed_precision="bf16" (accelerate/accelerator.py: autocast_context(forward), then convert_outputs_to_fp32)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = torch.autocast(device, dtype=torch.bfloat16)(type(policy).forward)
+    policy.forward = MethodType(convert_outputs_to_fp32(forward), policy)
+    return policy
+
+
+class CastCounter(TorchDispatchMode):
+    """How many times each of `params` is cast to bf16 while active, by parameter name."""
+
+    def __init__(self, named_params):
+        super().__init__()
+        self.names = {p.data_ptr(): n for n, p in named_params}
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.names.get(args[0].data_ptr())
+            if name is not None and args[0].dtype == torch.float32:
+                self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def toy_micro_batches(k: int = 3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (2 * k, 9), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :2] = attn[3, :1] = 0  # left padding
+    weights = torch.rand(2 * k, 5, generator=g)
+    return [(ids[i : i + 2], attn[i : i + 2], weights[i : i + 2]) for i in range(0, 2 * k, 2)]
+
+
+def accumulate(policy, batches, cast_once: bool):
+    """One optimizer step's gradient accumulated over `batches`, as update_policy's micro-batch loop does, with or
+    without weights_cast_once around the loop; returns (grads by name, bf16 casts by name)."""
+    policy.zero_grad(set_to_none=True)
+    counter = CastCounter(policy.named_parameters())
+    device = next(policy.parameters()).device
+    with counter, weights_cast_once() if cast_once else contextlib.nullcontext():
+        for ids, attn, w in batches:
+            ids, attn, w = ids.to(device), attn.to(device), w.to(device)
+            logps, _ = policy(ids, attn, 4, 0.7)
+            (logps * w).sum().backward()
+    return {n: p.grad.clone() for n, p in policy.named_parameters()}, counter.counts
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_each_weight_is_cast_once_per_step_with_the_same_gradient(gradient_checkpointing):
+    """Under accelerate's bf16 autocast wrapper, 3 micro-batches cast every weight 3 times (and 6 with gradient
+    checkpointing, whose backward recomputes each layer's forward); inside weights_cast_once each is cast once, the
+    output layer (tied to the embedding) included, and the gradient is bit for bit the same. (On a CPU the backward
+    runs on this thread; on CUDA a checkpointed layer's recompute runs on autograd's device thread, whose own autocast
+    block clears torch's cache when it exits: the casts are then as without the block, the gradient still the same.)"""
+    policy = bf16_forward(TokenLogProbs(tiny_qwen2(gradient_checkpointing), chunk_size=4))
+    batches = toy_micro_batches(3)
+    plain, plain_casts = accumulate(policy, batches, cast_once=False)
+    once, once_casts = accumulate(policy, batches, cast_once=True)
+    assert plain_casts.keys() == once_casts.keys() and "lm.model.embed_tokens.weight" in once_casts
+    decoder = 6 if gradient_checkpointing else 3
+    assert all(n == (3 if "embed_tokens" in name else decoder) for name, n in plain_casts.items()), plain_casts
+    assert set(once_casts.values()) == {1}, once_casts
+    for name in plain:
+        assert torch.equal(plain[name], once[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_each_weight_is_cast_once_per_step_on_cuda(gradient_checkpointing):
+    """On CUDA the backward runs on autograd's device thread: without gradient checkpointing each weight is still cast
+    once per step; with it, each recomputed layer's autocast block clears torch's cache when it exits on that thread,
+    so the decoder's casts are at most as many as without the block. The gradient is bit for bit the same."""
+    policy = bf16_forward(TokenLogProbs(tiny_qwen2(gradient_checkpointing).cuda(), chunk_size=4), "cuda")
+    batches = toy_micro_batches(3)
+    plain, plain_casts = accumulate(policy, batches, cast_once=False)
+    once, once_casts = accumulate(policy, batches, cast_once=True)
+    assert once_casts["lm.model.embed_tokens.weight"] == 1
+    if gradient_checkpointing:
+        assert all(once_casts[name] <= n for name, n in plain_casts.items())
+    else:
+        assert set(once_casts.values()) == {1}, once_casts
+    for name in plain:
+        assert torch.equal(plain[name], once[name]), name
+
+
+def test_casts_do_not_outlive_the_block():
+    """After the block an optimizer step changes the weights in place; the next block's forward must see the new
+    weights, not a cast kept from before (torch's cache is cleared when the last nesting level closes)."""
+    policy = bf16_forward(TokenLogProbs(tiny_qwen2(), chunk_size=4))
+    batches = toy_micro_batches(2)
+    accumulate(policy, batches, cast_once=True)
+    torch.optim.SGD(policy.parameters(), lr=0.5).step()
+    ids, attn, _ = batches[0]
+    with weights_cast_once():
+        after, _ = policy(ids, attn, 4, 0.7)
+    fresh = bf16_forward(TokenLogProbs(tiny_qwen2(), chunk_size=4))  # other tensors: nothing cached for them
+    fresh.load_state_dict(policy.state_dict())
+    assert torch.equal(after, fresh(ids, attn, 4, 0.7)[0])
+
+
+def test_without_autocast_nothing_is_cast_and_fp32_is_unchanged():
+    policy = TokenLogProbs(tiny_qwen2(), chunk_size=4)
+    batches = toy_micro_batches(2)
+    plain, plain_casts = accumulate(policy, batches, cast_once=False)
+    once, once_casts = accumulate(policy, batches, cast_once=True)
+    assert plain_casts == once_casts == {}
+    assert all(torch.equal(plain[n], once[n]) for n in plain)
+
+
+FAMILIES = sorted(test_families.FAMILIES)
+
+
+def packed_batch(vocab: int = 64):
+    """4 rows: prompts of 1-4 tokens left-padded to 4, completions of 0-5 tokens right-padded to 5."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (4, 9), generator=g)
+    attn = torch.zeros_like(ids)
+    for row, (p, c) in enumerate([(4, 5), (1, 3), (3, 0), (2, 1)]):
+        attn[row, 4 - p : 4 + c] = 1
+    return ids * attn, attn
+
+
+def log_probs_and_grads(model, ids, attn, start, upstream, padding_free=False):
+    model.zero_grad(set_to_none=True)
+    logps, entropy = TokenLogProbs(model, chunk_size=3, padding_free=padding_free)(ids, attn, start, 0.7)
+    (logps * upstream).sum().backward()
+    return logps, entropy, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_free_gives_the_padded_log_probs_and_gradient(family, attention):
+    """In float64: the rows packed into one sequence (positions restarting per row, no mask: transformers builds a
+    block-diagonal mask from the positions) give the log-probs, entropies and parameter gradients of each row run
+    alone without padding, and with sdpa of the padded forward, on every completion token; 0 on padding. (Eager
+    attention in float64 turns left-padded rows into NaN in transformers 5.19's padded forward: no padded reference.)
+    Eager attention's softmax and Gemma's and Cohere's norms compute in fp32 whatever the model dtype: there they agree
+    to fp32 rounding, 4e-5 of each tensor's largest value (gamma(600) in fp32: sums of at most 36 positions x 16
+    features). A wrong packing (rows attending across each other, a position off by one) errs by 1e-2 or more."""
+    model = test_families.tiny(family)
+    model.set_attn_implementation(attention)
+    fp32 = attention == "eager" or family in ("gemma2", "gemma3", "cohere")
+    tol = dict(rtol=4e-5, atol=4e-5) if fp32 else dict(rtol=1e-10, atol=1e-12)
+    ids, attn = packed_batch()
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * mask
+    lp, ent, grads = log_probs_and_grads(model, ids, attn, 4, upstream, padding_free=True)
+    assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
+    alone = {n: torch.zeros_like(g) for n, g in grads.items()}
+    for row in range(ids.shape[0]):
+        keep, start = attn[row].bool(), int(attn[row, :4].sum())
+        lp_row, ent_row, grads_row = log_probs_and_grads(
+            model, ids[row, keep][None], torch.ones_like(ids[row, keep])[None], start, upstream[row, mask[row]][None]
+        )
+        torch.testing.assert_close(lp[row, mask[row]], lp_row[0], **tol)
+        torch.testing.assert_close(ent[row, mask[row]], ent_row[0], **tol)
+        for name, g in grads_row.items():
+            alone[name] += g
+    references = [alone]
+    if attention == "sdpa":
+        padded_lp, padded_ent, padded = log_probs_and_grads(model, ids, attn, 4, upstream)
+        torch.testing.assert_close(lp[mask], padded_lp[mask], **tol)
+        torch.testing.assert_close(ent[mask], padded_ent[mask], **tol)
+        references.append(padded)
+    for reference in references:
+        for name in grads:
+            scale = reference[name].abs().max().item()
+            rtol, atol = (4e-5, 4e-5 * scale) if fp32 else (1e-9, 1e-12 * scale)
+            torch.testing.assert_close(grads[name], reference[name], rtol=rtol, atol=atol, msg=name)
+
+
+def test_padding_free_micro_batches_count_tokens_without_padding():
+    """With padding_free the token budget counts each row's own tokens: every row once, longest completion first,
+    within the budget and the row cap (a row over the budget alone), fewer micro-batches than padded for the same
+    budget on long-tailed lengths."""
+    g = torch.Generator().manual_seed(0)
+    lens = [
+        (int(p), int(c))
+        for p, c in zip(torch.randint(1, 40, (200,), generator=g), torch.randint(1, 300, (200,), generator=g))
+    ]
+    rows = torch.randperm(200, generator=g).tolist()[:150]
+    for tokens, cap in [(1000, 256), (1000, 3), (200, 256)]:
+        budget = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=False)
+        padded = micro_batches(rows, lens, budget)
+        args = SimpleNamespace(micro_batch_size=cap, micro_batch_tokens=tokens, padding_free=True)
+        plan = micro_batches(rows, lens, args)
+        assert sorted(r for group, _, _ in plan for r in group) == sorted(rows)
+        for group, _, _ in plan:
+            assert len(group) <= cap and (len(group) == 1 or sum(sum(lens[r]) for r in group) <= tokens)
+        firsts = [lens[group[0]][1] for group, _, _ in plan]
+        assert firsts == sorted(firsts, reverse=True)
+        assert len(plan) <= len(padded) and (cap == 3 or len(plan) < len(padded))
+
+
+def test_the_speed_flags_refuse_in_one_line_where_they_cannot_work(monkeypatch):
+    model = tiny_qwen2()
+    with pytest.raises(SystemExit, match="--liger-kernel needs a CUDA GPU"):
+        use_liger_kernels(model, "cpu")
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # as if not installed
+    with pytest.raises(SystemExit, match="--liger-kernel needs liger-kernel: pip install liger-kernel"):
+        use_liger_kernels(model, "cuda")
+    assert padding_free_attention(model, "cpu") == "sdpa"  # with the block-diagonal mask: nothing to change
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # on CUDA without flash-attn: torch's flex attention
+    assert padding_free_attention(model, "cuda") == "flex_attention"
+    with pytest.raises(SystemExit, match="--torch-compile: .* has no decoder `layers`"):
+        compile_decoder_layers(SimpleNamespace(get_decoder=lambda: torch.nn.Linear(2, 2), __class__=object))
+
+
+def cuda_step(model, padding_free=False):
+    """(log-probs, parameter gradients) of one micro-batch of the toy layout on CUDA under bf16 autocast."""
+    ids, attn = (t.cuda() for t in packed_batch())
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)).cuda() * mask
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logps, _ = TokenLogProbs(model, chunk_size=3, padding_free=padding_free)(ids, attn, 4, 0.7)
+    (logps * upstream).sum().backward()
+    return logps[mask], {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def assert_bf16_close(got, want, name):
+    """Two bf16-autocast computations of a 2-layer model that round differently: each entry within 2^-6 (a few bf16
+    roundings of 2^-9, through 2 layers) of the tensor's largest value."""
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * want.abs().max().item(), msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_liger_kernels_on_cuda_give_the_same_log_probs_and_gradient(family):
+    """Liger's RMSNorm, SwiGLU and RoPE in place of the model's own, under bf16 autocast as the scripts train."""
+    pytest.importorskip("liger_kernel")
+    model = test_families.tiny(family).float().cuda().train()
+    want_lp, want = cuda_step(model)
+    module = vars(sys.modules[type(model).__module__])  # Liger swaps RoPE, norm and MLP classes in it: restored after
+    saved = dict(module)
+    try:
+        use_liger_kernels(model, "cuda")
+        got_lp, got = cuda_step(model)
+    finally:
+        module.update(saved)
+    assert_bf16_close(got_lp, want_lp, "logps")
+    for name in want:
+        assert_bf16_close(got[name], want[name], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(attention, monkeypatch):
+    """flash-attn's varlen kernel, or torch's flex attention without flash-attn, on the packed rows
+    (padding_free_attention) against sdpa on the padded batch."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
+    model = test_families.tiny("qwen2").float().cuda().train()
+    want_lp, want = cuda_step(model)
+    assert padding_free_attention(model, "cuda") == attention
+    got_lp, got = cuda_step(model, padding_free=True)
+    assert_bf16_close(got_lp, want_lp, "logps")
+    for name in want:
+        assert_bf16_close(got[name], want[name], name)
+
+
+def test_padding_free_flag_runs_a_script_with_the_same_updates(toy_assets, tmp_path, monkeypatch):
+    """`--padding-free` reaches the policy and the micro-batch plan (common/run.py): grpo.py with and without it logs
+    the same losses, gradient norms and log-probs to rounding (fp32, sdpa's packed-sequence mask on a CPU)."""
+    import json
+    import os
+
+    import tyro
+
+    import grpo
+    from tests.test_scripts import toy_flags
+
+    def run(*extra):
+        out = str(tmp_path / ("pf" if extra else "padded"))
+        flags = toy_flags(toy_assets, out, 3, beta=0.04, **{"num-mini-batches": 2, "prompts-per-step": 16})
+        grpo.main(tyro.cli(grpo.Args, args=[*flags, *extra]))
+        (run_dir,) = [os.path.join(out, d) for d in os.listdir(out)]
+        with open(os.path.join(run_dir, "args.json")) as f:
+            assert json.load(f)["padding_free"] == bool(extra)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    packed_calls = []
+    original = TokenLogProbs._packed
+    monkeypatch.setattr(TokenLogProbs, "_packed", lambda self, *a: packed_calls.append(1) or original(self, *a))
+    padded = run()
+    assert not packed_calls
+    packed = run("--padding-free")
+    assert packed_calls  # the policy and the reference took the packed path
+    keys = ("train/loss", "train/grad_norm", "train/kl_ref", "train/approx_kl", "train/entropy", "train/accuracy")
+    for a, b in zip(padded, packed):
+        assert {k: b.get(k) for k in keys} == pytest.approx({k: a.get(k) for k in keys}, rel=1e-4, abs=1e-6)
+    assert max(m.get("train/approx_kl", 0) for m in padded) > 0  # second mini-batches: the policy had moved
