@@ -319,11 +319,9 @@ class Run:
 
 
 def close_run(accelerator, writer=None, sampler=None) -> None:
-    """Shuts the sampler's engine down while the process groups it uses still exist (vLLM's own shutdown destroys
-    them; run at exit, after ours, it raised `ValueError: Invalid process group specified`), closes the TensorBoard
-    writer, destroys the process groups and frees them while Python still runs: DeepSpeed keeps them in reference
-    cycles that only the interpreter's exit would collect, and a gloo worker thread freeing a tensor then cannot
-    take the GIL and aborts the process ("terminate called without an active exception", SIGABRT)."""
+    """Ends a run without a traceback: the sampler's engine first (vLLM's shutdown needs the process groups, which
+    end_training destroys), then the groups, freed while Python runs (at exit a gloo thread freeing DeepSpeed's
+    cycles cannot take the GIL: SIGABRT)."""
     if sampler is not None:
         sampler.close()
     if writer is not None:

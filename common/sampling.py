@@ -246,27 +246,12 @@ def _fsdp1_root(model: nn.Module) -> nn.Module | None:
 
 
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, Tensor]]]:
-    """Yields the policy's weights as lists of (HF checkpoint name, full tensor), about `bucket_bytes` each.
-
-    Names are those of the saved checkpoint (`save_pretrained`'s safetensors keys): the keys of the
-    unwrapped model's `state_dict()`, minus the aliases of tied weights: a tied `lm_head.weight` is not
-    sent, as the checkpoint omits it; vLLM's (0.32) AutoWeightsLoader would skip it anyway, and raises when an
-    alias arrives in a `load_weights` call without its canonical `embed_tokens` name. Wrapper
-    prefixes (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`) never appear.
-    Tensors are full, whatever the sharding: DTensor (FSDP2) via `full_tensor()` per tensor, DeepSpeed
-    ZeRO-3 via `deepspeed.zero.GatheredParameters` on the whole bucket (untested here: no deepspeed), FSDP1
-    via `summon_full_params` on the whole model (so the full model is resident while iterating). Unsharded
-    tensors are the live parameters, detached, not copies; gathered ZeRO-3 / FSDP1 storage is freed by
-    those libraries when their context exits, so those tensors are copied and stay valid after the
-    iteration. dtype and device are the trainer's; the consumer casts.
-
-    A peft LoRA model yields its merged weights, W + (alpha / r) B A, under the base model's names
-    (`_lora_merged_tensors`).
-
-    A bucket holds whole tensors, at most `bucket_bytes` of them, except a single tensor larger than that,
-    which gets a bucket of its own. Order is `state_dict` order, so each layer's weights arrive together
-    (what vLLM's layerwise reload wants). Every rank must iterate in step: the gathers are collective.
-    """
+    """Yields the policy's weights as lists of (checkpoint name, full tensor), about `bucket_bytes` each, in
+    `state_dict` order (each layer's weights together, as vLLM's layerwise reload wants). Names are
+    `save_pretrained`'s keys: no wrapper prefixes, no tied alias (vLLM 0.32's loader raises on an alias without its
+    canonical name). Tensors are full whatever the sharding (FSDP2 `full_tensor()`, ZeRO-3 and FSDP1 gathered, then
+    copied because their storage is freed) and LoRA's are merged, W + (alpha / r) B A. The gathers are collective:
+    every rank iterates in step."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     fsdp1 = _fsdp1_root(model)
@@ -1254,12 +1239,8 @@ def make_sampler(
     tool: ToolConfig | None = None,
     **vllm_kwargs: Any,
 ) -> Sampler:
-    """The `--sampler` flag (see `resolve_sampler`). `vllm_kwargs` go to `VLLMSampler` (gpu_memory_utilization,
-    tensor_parallel_size, max_model_len, enable_sleep_mode, ...) and are ignored by the HF backend. The vLLM engine
-    loads `model_name_or_path` itself; if `model` already differs from that checkpoint, call `update_weights`.
-    `stop`: strings that end a completion (kept in its text and tokens, `truncated` False), on both backends.
-    `fsdp_root`: under FSDP2, the prepared module that wraps `model` (HF generate gathers its parameters). `tool`: the
-    Python tool during rollouts (common/tool.py; None: none, every completion in one piece)."""
+    """The `--sampler` backend. vLLM loads `model_name_or_path` itself (`update_weights` if `model` differs);
+    `vllm_kwargs` are its alone. `fsdp_root`: the FSDP2 module HF generate gathers `model`'s parameters from."""
     if resolve_sampler(kind) == "vllm":
         return VLLMSampler(model_name_or_path, seed=seed, stop=stop, tool=tool, **vllm_kwargs)
     return HFSampler(model, tokenizer, batch_size=hf_batch_size, seed=seed, stop=stop, fsdp_root=fsdp_root, tool=tool)
