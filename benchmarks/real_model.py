@@ -47,9 +47,11 @@ PER_SCRIPT.update({s: NEWER for s in ("sapo", "gmpo", "dppo", "clip_cov", "m2po"
 # REINFORCE++ and RLOO keep their KL in the reward (their algorithm) and take 2 updates per rollout (their defaults: 8
 # and 2); RLOO without its warm-up of 36 optimizer steps, which would cover the whole run.
 PER_SCRIPT.update({"reinforce_pp": NEWER, "rloo": ["--warmup-steps", "0"]})
-# The critics: ppo.py at its defaults (ORZ's: 12 critic steps per rollout, the critic's lr warm-up of 50 of its
-# steps); vapo.py as the newer losses (2 updates per rollout, the critic's too) with 2 of the 10 steps of value
-# pre-training (its default 50 would leave no step for the policy): the 10 steps include them.
+# The critics: ppo.py without ORZ's warm-ups (50 optimizer steps, the policy's and the critic's, would cover the 10
+# steps) and with 2 critic steps per rollout (ORZ's 12 took ~7 minutes a step on 2 cores); vapo.py as the newer losses
+# (2 updates per rollout, the critic's too) with 2 of the 10 steps of value pre-training (its default 50 would leave
+# no step for the policy): the 10 steps include them.
+PER_SCRIPT["ppo"] = ["--warmup-steps", "0", "--critic-warmup-steps", "0", "--critic-num-mini-batches", "2"]
 PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-steps", "2", "--eval-top-p", "1.0"]
 
 
