@@ -167,7 +167,8 @@ class SharedArgs:
     """weight exp(old_logps - sampler_logps) on the policy term, for the sampler/trainer mismatch;
     auto: token-truncate with vLLM, none with HF generate (docs/algorithms.md)"""
     rollout_correction_cap: float = 2.0
-    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked"""
+    """cap of the rollout-correction weight: truncated to it, or tokens/sequences above it masked (2
+    with token-truncate is verl's and oat's TIS; TRL 1.16's default is sequence-mask with 3)"""
     reward_workers: int = -1
     """math-verify worker processes (-1: this process's cores / local ranks; 0: none)"""
 

@@ -47,8 +47,7 @@ NOTES = {
     "[Micro-batches](benchmarks.md#micro-batches)",
     "rollout_correction": "`token-truncate`, `token-mask`, `sequence-truncate`, `sequence-mask`; see "
     "[Rollout correction](algorithms.md#rollout-correction)",
-    "rollout_correction_cap": "2 with token-truncate is verl's and oat's TIS; TRL 1.16's default is sequence-mask "
-    "with 3; must be ≥ 1",
+    "rollout_correction_cap": "must be ≥ 1",
     "reward_workers": "see [Reward scoring](benchmarks.md#reward-scoring)",
 }
 
