@@ -60,7 +60,7 @@ class ToolConfig:
     def __post_init__(self) -> None:
         if self.max_calls < 1 or self.workers < 1 or self.memory_mb < 16 or self.max_output_chars < 16:
             raise ValueError(f"max_calls and workers must be >= 1, memory_mb and max_output_chars >= 16; got {self}")
-        if self.timeout_s <= 0 or self.sandbox not in SANDBOXES:
+        if not self.timeout_s > 0 or self.sandbox not in SANDBOXES:  # NaN too
             raise ValueError(f"timeout_s must be > 0 and sandbox one of {SANDBOXES}; got {self}")
 
     def limits(self) -> Limits:
@@ -71,17 +71,27 @@ def tool_config(args: SharedArgs) -> ToolConfig | None:
     """The --tool-* flags as a ToolConfig, None with --tool none (one line naming the flag if a value is bad)."""
     if args.tool == "none":
         return None
-    try:
-        return ToolConfig(
-            max_calls=args.max_tool_calls,
-            sandbox=args.tool_sandbox,
-            timeout_s=args.tool_timeout,
-            memory_mb=args.tool_memory_mb,
-            max_output_chars=args.tool_output_chars,
-            workers=args.tool_workers,
-        )
-    except ValueError as e:
-        raise SystemExit(f"--max-tool-calls / --tool-*: {e}") from None
+    bounds = (  # ToolConfig's own checks, each naming its flag
+        ("--max-tool-calls", args.max_tool_calls, 1),
+        ("--tool-workers", args.tool_workers, 1),
+        ("--tool-memory-mb", args.tool_memory_mb, 16),
+        ("--tool-output-chars", args.tool_output_chars, 16),
+    )
+    for flag, value, least in bounds:
+        if value < least:
+            raise SystemExit(f"{flag} must be >= {least}, got {value}")
+    if not args.tool_timeout > 0:
+        raise SystemExit(f"--tool-timeout must be > 0 seconds, got {args.tool_timeout}")
+    if args.tool_sandbox not in SANDBOXES:
+        raise SystemExit(f"--tool-sandbox must be one of {', '.join(SANDBOXES)}, got {args.tool_sandbox!r}")
+    return ToolConfig(
+        max_calls=args.max_tool_calls,
+        sandbox=args.tool_sandbox,
+        timeout_s=args.tool_timeout,
+        memory_mb=args.tool_memory_mb,
+        max_output_chars=args.tool_output_chars,
+        workers=args.tool_workers,
+    )
 
 
 @dataclass

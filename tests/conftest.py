@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.toy import build_all, build_model, build_tool_model  # noqa: E402
+from tests.toy import build_all, build_model, build_tool_model, tool_rows, write_rows  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +41,13 @@ def vllm_assets(toy_assets, tmp_path_factory) -> dict[str, str]:
 def tool_model(tmp_path_factory) -> str:
     """The vLLM-sized toy model trained to call the Python tool on cue (tests/toy.py TOOL_SCRIPTS)."""
     return build_tool_model(str(tmp_path_factory.mktemp("tool_model")))
+
+
+@pytest.fixture(scope="session")
+def tool_assets(tool_model, tmp_path_factory) -> dict[str, str]:
+    """The tool model and its prompts as a dataset ({"model", "train"}: tests/toy.py tool_rows), for the scripts."""
+    train = write_rows(str(tmp_path_factory.mktemp("tool_data") / "train.jsonl"), tool_rows())
+    return {"model": tool_model, "train": train}
 
 
 def pytest_configure(config):

@@ -1,8 +1,9 @@
 """`--vllm-mode server` and `--off-policy-steps`, for real on CPU: tools/vllm_server.py (vLLM's own server, CPU build)
-serving the toy model; trainers of 1 and 2 processes push their weights over a gloo process group after every update
-(the canary below 1e-4 at every step); synchronous server runs reproduce themselves bit for bit and the colocated
-engine's run; one step off-policy trains the toy task and resumes exactly; a server that dies mid-run gives one line
-and leaves the last checkpoint intact; a server that never answers gives the timeout line, never a hang.
+serving the toy model; trainers of 1 and 2 processes (the 2 with the Python tool) push their weights over a gloo
+process group after every update (the canary below 1e-4 at every step); synchronous server runs reproduce themselves
+bit for bit and the colocated engine's run; one step off-policy trains the toy task and resumes exactly; a server
+that dies mid-run gives one line and leaves the last checkpoint intact; a server that never answers gives the timeout
+line, never a hang.
 
 Servers bind 127.0.0.1 only; every request a test makes is bounded by --vllm-server-timeout and each subprocess by a
 timeout.
@@ -119,12 +120,16 @@ def test_synchronous_server_runs_push_every_update_and_reproduce(server, vllm_as
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_share_a_server(server, vllm_assets, tmp_path):
-    """torchrun, 2 processes: each sends its own prompts; rank 0 pushes, both wait for the push (canary < 1e-4)."""
-    cmd = [*launch_cmd(os.path.join(ROOT, "grpo.py")), *server_flags(vllm_assets, tmp_path, 2, server)]
+def test_two_trainer_processes_share_a_server(server, tool_assets, tmp_path):
+    """torchrun, 2 processes, with the Python tool (the tool model, which calls it on cue, pushed to the server first):
+    each rank sends its own prompts and runs its own programs beside the server's generation; rank 0 pushes, both wait
+    for the push (canary < 1e-4, the tool's tokens out of it); the tool/ metrics are gathered over both ranks."""
+    tool = {"tool": "python", "max-tool-calls": 2, "temperature": 1.2, "max-new-tokens": 96, "learning-rate": 3e-4}
+    cmd = [*launch_cmd(os.path.join(ROOT, "grpo.py")), *server_flags(tool_assets, tmp_path, 2, server, **tool)]
     run(cmd)
     rows = metrics(tmp_path)
-    assert_canary(rows) and len(rows) == 2
+    assert_canary(rows)
+    assert len(rows) == 2 and all(r["tool/call_frac"] > 0 and r["tool/output_tokens_mean"] > 0 for r in rows), rows
 
 
 @pytest.mark.slow

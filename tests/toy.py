@@ -3,6 +3,7 @@ fly, and a synthetic arithmetic dataset (docs/design.md "Tests"). Nothing is dow
 second family, a tiny Gemma-3 whose tokenizer adds BOS and has no chat template (a base model's).
 
     python -m tests.toy /tmp/toy        # writes /tmp/toy/model and /tmp/toy/{train,test}.jsonl
+    python -m tests.toy /tmp/toy_product --product    # the Python tool's product task (build_product_task)
 
 It also writes a graded task (graded_train.jsonl; test_easy, test_medium, test_hard.jsonl): easy, toy-sized and
 two-digit sums in equal shares, on which the data strategies' choice of prompts has something to choose from.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 
 # Qwen-style chat template, so the `qwen-boxed` and `r1` prompt templates go through apply_chat_template.
@@ -188,6 +190,11 @@ TOOL_SCRIPTS = {
 }
 
 
+def tool_rows() -> list[dict[str, str]]:
+    """TOOL_SCRIPTS as a dataset for the scripts' --tool runs: each prompt and the answer its script boxes."""
+    return [{"question": p, "answer": re.findall(r"\\boxed\{(\d+)\}", "".join(s))[-1]} for p, s in TOOL_SCRIPTS.items()]
+
+
 def script_ids(tok, pieces: list[str]) -> tuple[list[int], list[int]]:
     """A script's completion as the tool model writes it (EOS included) and its mask: the model's text one token per
     character, which is not how the tokenizer splits it (it merges some), and each output block as the tool encodes
@@ -232,6 +239,82 @@ def build_tool_model(out_dir: str, steps: int = 400, seed: int = 0) -> str:
     return out_dir
 
 
+# The product task (docs/tools.md "Measured on the toy"): a*b with 3-digit operands, which the toy model cannot compute
+# (it barely learns a+b with a, b <= 4), and worked solutions whose program computes it. Its base model writes each
+# question's program as a ```cython block, which the tool does not run (common.tool.closed_program runs ```python
+# blocks only): it copies the operands into a program as a pretrained model would, and has never seen a program run,
+# an output block or an answer. ```cython is as many tokens as ```python, so its copying serves a python block as is;
+# a randomly initialised toy model needs ~300-600 supervised steps to learn to copy the operands at all (measured),
+# longer than a CPU run.
+def product_program(a: int, b: int, lang: str = "python") -> str:
+    return f"```{lang}\nprint('Answer:',{a}*{b})\n```\n"
+
+
+def product_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` rows {"question": "347*912", "answer": "316464", "solution": the program and its output block}."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        solution = product_program(a, b) + tool_block(f"Answer: {a * b}")
+        rows.append({"question": f"{a}*{b}", "answer": str(a * b), "solution": solution})
+    return rows
+
+
+def build_code_model(out_dir: str, steps: int = 1000, seed: int = 0) -> tuple[str, float]:
+    """The product task's base model (above): the toy model trained on `steps` batches of 16 fresh questions, each
+    followed by its ```cython program and EOS. Returns the directory and the share of 64 new questions whose greedy
+    completion is exactly their program."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    build_model(out_dir, seed=seed)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    rng = random.Random(seed)
+    draw = lambda: (rng.randint(100, 999), rng.randint(100, 999))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is ~20x faster than an OpenMP team on busy cores
+    try:
+        for _ in range(steps):
+            rows = [draw() for _ in range(16)]
+            prompts = [tok(f"{a}*{b}").input_ids for a, b in rows]
+            seqs = [
+                p + tok(product_program(a, b, "cython")).input_ids + [tok.eos_token_id]
+                for p, (a, b) in zip(prompts, rows)
+            ]
+            width = max(len(s) for s in seqs)
+            ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+            labels = ids.clone()
+            for i, (p, s) in enumerate(zip(prompts, seqs)):
+                labels[i, : len(p)], labels[i, len(s) :] = -100, -100  # the completion only
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        rows = [draw() for _ in range(64)]
+        tok.padding_side = "left"
+        enc = tok([f"{a}*{b}" for a, b in rows], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+        exact = sum(t == product_program(a, b, "cython") for t, (a, b) in zip(texts, rows)) / len(rows)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(out_dir)
+    return out_dir, exact
+
+
+def build_product_task(root: str) -> dict[str, str]:
+    """The product task under `root`: the base model (model/), train.jsonl (4096 rows) and test.jsonl (64 rows)."""
+    os.makedirs(root, exist_ok=True)
+    model, exact = build_code_model(os.path.join(root, "model"))
+    paths = {"model": model, "copy_exact": exact}
+    paths["train"] = write_rows(os.path.join(root, "train.jsonl"), product_rows(4096, seed=0))
+    paths["test"] = write_rows(os.path.join(root, "test.jsonl"), product_rows(64, seed=1))
+    return paths
+
+
 def build_all(root: str) -> dict[str, str]:
     """Model dir, train and test jsonl under `root`; returns their paths."""
     os.makedirs(root, exist_ok=True)
@@ -247,4 +330,7 @@ def build_all(root: str) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(build_all(sys.argv[1] if len(sys.argv) > 1 else "/tmp/toy"), indent=1))
+    if len(sys.argv) > 2 and sys.argv[2] == "--product":  # python -m tests.toy DIR --product
+        print(json.dumps(build_product_task(sys.argv[1]), indent=1))
+    else:
+        print(json.dumps(build_all(sys.argv[1] if len(sys.argv) > 1 else "/tmp/toy"), indent=1))
