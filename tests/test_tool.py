@@ -314,6 +314,24 @@ def test_a_demonstration_with_a_program_is_spliced_as_a_rollout_would_be(tok_mod
     assert plain.bare  # without the tool the solution's own (wrong) block is all there is: the bare answer wins
 
 
+def test_the_product_tasks_demonstrations_run_and_its_base_models_programs_do_not(tok_model):
+    """The toy product task (docs/tools.md "Measured on the toy"): each worked solution's program, run by the tool,
+    prints the row's answer, which the reward reads from the spliced output block; the base model's ```cython
+    program is never run, so the tool alone gives the base model nothing."""
+    from common.reward import score
+    from common.tool import Tool, splice_text
+    from tests.toy import product_program, product_rows
+
+    tok, _ = tok_model
+    rows = product_rows(3, seed=5)
+    spliced = [splice_text(r["solution"], Tool(CONFIG, tok), 200) for r in rows]
+    texts = [tok.decode(t.token_ids, skip_special_tokens=True) for t in spliced]  # as TrainData.demo
+    assert all(t.endswith(tool_block(f"Answer: {r['answer']}")) for t, r in zip(texts, rows)), texts
+    assert score(texts, [r["answer"] for r in rows])[0] == [1.0, 1.0, 1.0]
+    assert closed_program(product_program(347, 912, "cython")) is None
+    assert closed_program(product_program(347, 912)) == "print('Answer:',347*912)\n"
+
+
 class OneProcess:
     """What step_metrics and tool_metrics need of an Accelerator, for one process."""
 
