@@ -15,6 +15,8 @@ Sides (each in a fresh process, same seed, same model and batch; one warm-up upd
   ours-liger        ours with Liger's RMSNorm / SwiGLU / RoPE (common.kernels.use_liger_kernels; CUDA)
   ours-padding-free ours with padding-free micro-batches (on CUDA flash-attn, else torch's flex attention)
   ours-compile      ours with torch.compile of the decoder layers (the timed updates follow a compiling warm-up)
+  ours-triton       ours with the fused Triton log-prob forward (common/triton_logprobs.py; CUDA)
+  ours-fast         ours with Liger, padding-free micro-batches and the Triton forward (CUDA)
   trl               the path the issue measured: full logits of the completion, trl.trainer.utils
                     selective_log_softmax and entropy_from_logits (TRL 1.16.0), 4 rows per micro-batch padded to the
                     rollout's longest, TRL's GRPO loss (loss_type="grpo", gradient accumulation over the 4)
@@ -73,7 +75,13 @@ SHAPES = {
 }  # fmt: skip
 # Peak dense bf16 tensor FLOP/s (NVIDIA datasheets, without sparsity), matched against torch's device name in order
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
-SIDES = ["ours", "ours-liger", "ours-padding-free", "ours-compile", "trl", "trl-liger", "trl-fused", "trl-fused-liger"]
+# Our sides and the speed paths each turns on, as the scripts' --liger-kernel, --padding-free, --torch-compile and
+# --logprob-kernel triton do; ours-fast: all of them but compile
+OURS = {
+    "ours": set(), "ours-liger": {"liger"}, "ours-padding-free": {"padding-free"}, "ours-compile": {"compile"},
+    "ours-triton": {"triton"}, "ours-fast": {"liger", "padding-free", "triton"},
+}  # fmt: skip
+SIDES = [*OURS, "trl", "trl-liger", "trl-fused", "trl-fused-liger"]
 ROWS, TRL_ROWS, TEMPERATURE = 16, 4, 1.0
 
 
@@ -233,7 +241,7 @@ def step(model, optimizer, split: Split) -> float:
     return norm
 
 
-def worker(side: str, shape: str, repeats: int, threads: int | None) -> dict:
+def worker(side: str, shape: str, repeats: int, threads: int | None, profile: str | None = None) -> dict:
     import torch
 
     if threads:
@@ -241,15 +249,16 @@ def worker(side: str, shape: str, repeats: int, threads: int | None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(shape, device)
     params = sum(p.numel() for p in model.parameters())
-    if side.endswith("liger"):
+    paths = OURS.get(side, {"liger"} if side.endswith("liger") else set())
+    if "liger" in paths:
         from common.kernels import use_liger_kernels
 
         use_liger_kernels(model, device)
-    if side == "ours-padding-free":
+    if "padding-free" in paths:
         from common.kernels import padding_free_attention
 
         padding_free_attention(model, device)
-    if side == "ours-compile":
+    if "compile" in paths:
         from common.kernels import compile_decoder_layers
 
         compile_decoder_layers(model)
@@ -265,9 +274,12 @@ def worker(side: str, shape: str, repeats: int, threads: int | None) -> dict:
         import grpo
         from common.logprobs import TokenLogProbs
 
-        policy = TokenLogProbs(model, chunk_size=1024, padding_free=side == "ours-padding-free")
-        args = grpo.Args(beta=0.0, rollout_correction="none", micro_batch_size=256, micro_batch_tokens=8192)
-        args.padding_free = side == "ours-padding-free"
+        kernel, padding_free = "triton" if "triton" in paths else "torch", "padding-free" in paths
+        policy = TokenLogProbs(model, chunk_size=1024, kernel=kernel, padding_free=padding_free)
+        args = grpo.Args(
+            beta=0.0, rollout_correction="none", micro_batch_size=256, micro_batch_tokens=8192,
+            padding_free=padding_free, logprob_kernel=kernel,
+        )  # fmt: skip
         update = lambda: ours_update(policy, optimizer, batch, grpo, args, split, autocast)  # noqa: E731
     else:
         fused = side.startswith("trl-fused")
@@ -286,6 +298,17 @@ def worker(side: str, shape: str, repeats: int, threads: int | None) -> dict:
         split.sync()
         times.append(time.perf_counter() - start)
         norms.append(float(norm))
+    if profile:  # one more update under torch's profiler: its kernels by total device time
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities) as prof:
+            update()
+            split.sync()
+        sort = "cuda_time_total" if cuda else "cpu_time_total"
+        with open(profile, "w") as f:
+            f.write(f"## {side}, {shape}: one update under torch.profiler\n")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
     tokens = sum(p + c for p, c in batch["lens"])
     name, peak = peak_flops(device)
     median = statistics.median(times)
@@ -317,7 +340,7 @@ def computed_tokens(side: str, batch) -> int:
     lens = batch["lens"]
     if side.startswith("trl"):
         return ROWS * (batch["p_len"] + max(c for _, c in lens))
-    if side == "ours-padding-free":
+    if "padding-free" in OURS.get(side, set()):
         return sum(p + c for p, c in lens)
     args = SimpleNamespace(micro_batch_size=256, micro_batch_tokens=8192, padding_free=False)
     return sum(len(rows) * (p_w + c_w) for rows, p_w, c_w in micro_batches(list(range(ROWS)), lens, args))
@@ -344,9 +367,10 @@ def default_sides(cuda: bool, have: dict) -> list[str]:
     return sides
 
 
-def run_side(side: str, shape: str, repeats: int, timeout: float, threads: int | None) -> dict:
+def run_side(side: str, shape: str, repeats: int, timeout: float, threads: int | None, profile: str | None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--shape", shape, "--repeats", str(repeats)]
     cmd += ["--threads", str(threads)] if threads else []
+    cmd += ["--profile", profile] if profile else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -402,10 +426,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per side")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on a CPU, torch's on CUDA)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="'' writes nothing")
+    p.add_argument("--profile", default=None, help="write each side's profile of one more update: <this>_<side>.txt")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.shape, a.repeats, a.threads)), flush=True)
+        print(json.dumps(worker(a.worker, a.shape, a.repeats, a.threads, a.profile)), flush=True)
         return
     import torch
 
@@ -415,7 +440,8 @@ def main() -> None:
     threads = a.threads or (None if cuda else 1)  # one thread per process: a shared CPU's cores do not spin idle
     results = []
     for side in sides:
-        results.append(run_side(side, a.shape, a.repeats, a.timeout, threads))
+        profile = f"{a.profile}_{side}.txt" if a.profile else None
+        results.append(run_side(side, a.shape, a.repeats, a.timeout, threads, profile))
         r = results[-1]
         print(side, r.get("error") or f"{r['update_s']:.3f} s, {r['tokens_per_s']:.0f} tok/s", flush=True)
     ok = [r for r in results if "error" not in r]

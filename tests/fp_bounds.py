@@ -14,9 +14,23 @@ is within B(fp64) <= B(dtype) of it, so `2 * B(dtype)` bounds both comparisons.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+
+
+@contextlib.contextmanager
+def fp32_gemm_sums():
+    """cuBLAS adds bf16 GEMMs' split-K partial sums in fp32 inside the block: the bounds here assume fp32 sums.
+    (Set and restored by hand: pytest's monkeypatch cannot undo this attribute, which __getattr__ serves.)"""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

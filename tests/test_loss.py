@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.batching import grad_normalizers
 from common.logprobs import TokenLogProbs, chunked_logprobs
 from tests.checks import assert_micro_batches_add_up
-from tests.fp_bounds import assert_within, logprob_error_bounds
+from tests.fp_bounds import assert_within, fp32_gemm_sums, logprob_error_bounds
 
 
 def naive(hidden, weight, targets, temperature):
@@ -78,18 +78,17 @@ def logprobs_and_grads(h, w, t, upstream, temperature=0.7, chunk=16, kernel="tor
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_autocast_gradients_are_the_fp32_ones_within_bf16_rounding(device, monkeypatch):
+def test_autocast_gradients_are_the_fp32_ones_within_bf16_rounding(device):
     """Under bf16 autocast (fp32 weights, as the scripts train on CUDA) the GEMMs of the forward and the backward run
     in bf16: log-probs, entropy and both gradients are within the bf16 path's rounding-error bound plus the fp32
     path's of the fp32 results, and within the former of the float64 ones (tests/fp_bounds.py: h and w rounded to
     bf16, logits, d logits and each chunk's products stored in bf16, fp32 sums); they come back in fp32."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    # the bound assumes fp32 sums; cuBLAS may otherwise add split-K partial sums in bf16
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
     h, w, t, upstream = (x.to(device) for x in autocast_inputs())
-    fp32 = logprobs_and_grads(h, w, t, upstream)
-    bf16 = logprobs_and_grads(h, w, t, upstream, autocast=torch.bfloat16)
+    with fp32_gemm_sums():  # the bound assumes fp32 sums
+        fp32 = logprobs_and_grads(h, w, t, upstream)
+        bf16 = logprobs_and_grads(h, w, t, upstream, autocast=torch.bfloat16)
     hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
     lp, ent = naive(hr, wr, t, 0.7)
     exact = (lp, ent, *torch.autograd.grad((lp * upstream.double()).sum(), (hr, wr)))

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 from common import triton_logprobs  # noqa: E402  (imports triton; after TRITON_INTERPRET is set)
 from common.logprobs import TokenLogProbs, chunked_logprobs  # noqa: E402
-from tests.fp_bounds import assert_within, logprob_error_bounds  # noqa: E402
+from tests.fp_bounds import assert_within, fp32_gemm_sums, logprob_error_bounds  # noqa: E402
 from tests.test_loss import GemmDtypes, naive  # noqa: E402  (naive: the float64 full log-softmax reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,10 +193,9 @@ def test_fp64_on_cuda_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_kernel_matches_torch_path_on_cuda(dtype, monkeypatch):
+@fp32_gemm_sums()  # the error bounds below assume fp32 sums
+def test_compiled_kernel_matches_torch_path_on_cuda(dtype):
     """The compiled kernel at default block sizes, on shapes that are no multiple of them."""
-    # the error bounds below assume fp32 sums; cuBLAS may otherwise add split-K partial sums in bf16
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
     g = torch.Generator().manual_seed(5)
     n, hid, vocab = 1000, 200, 5003
     h = torch.randn(n, hid, generator=g).cuda().to(dtype)
