@@ -6,8 +6,9 @@
 
 The rollout: 16 sequences, prompts of 256 tokens, completions of lo + (hi - lo) (i / 15)^1.35 tokens, i = 0..15, from
 253 to 1891 (19,429 real tokens; `tiny`: 16-token prompts, completions 16-118), random token ids, random advantages.
-The model: the shape's config (dimensions written below, no hub), random weights, fp32 master weights, AdamW; on CUDA
-every forward under bf16 autocast, as the scripts train; on a CPU fp32 (the scripts' default there).
+The model: the shape's config (dimensions written below, no hub), random weights, fp32 master weights, AdamW (fused
+on CUDA, as the scripts and transformers' default optimizer); on CUDA every forward under bf16 autocast, as the
+scripts train; on a CPU fp32 (the scripts' default there).
 
 Sides (each in a fresh process, same seed, same model and batch; one warm-up update, then --repeats timed ones):
   ours              grpo.py's update_policy: common.logprobs.TokenLogProbs (chunked log-probs), GRPO's
@@ -15,8 +16,9 @@ Sides (each in a fresh process, same seed, same model and batch; one warm-up upd
   ours-liger        ours with Liger's RMSNorm / SwiGLU / RoPE (common.kernels.use_liger_kernels; CUDA)
   ours-padding-free ours with padding-free micro-batches (on CUDA flash-attn, else torch's flex attention)
   ours-compile      ours with torch.compile of the decoder layers (the timed updates follow a compiling warm-up)
-  ours-triton       ours with the fused Triton log-prob forward (common/triton_logprobs.py; CUDA)
-  ours-fast         ours with Liger, padding-free micro-batches and the Triton forward (CUDA)
+  ours-triton       ours with --logprob-kernel triton: Triton's softmax and d logits (common/triton_logprobs.py; CUDA)
+  ours-fast         ours with Liger's kernels and --logprob-kernel triton (CUDA)
+  ours-fast-padding-free   ours-fast with padding-free micro-batches (CUDA)
   trl               the path the issue measured: full logits of the completion, trl.trainer.utils
                     selective_log_softmax and entropy_from_logits (TRL 1.16.0), 4 rows per micro-batch padded to the
                     rollout's longest, TRL's GRPO loss (loss_type="grpo", gradient accumulation over the 4)
@@ -32,7 +34,9 @@ Reported per side: update time (median), tokens/s on the real tokens, MFU = 6 x 
 device's peak dense bf16 FLOP/s (PEAK_BF16; n/a on a CPU), peak memory (CUDA: max_memory_allocated; CPU: the
 process's peak resident set), and the time split: decoder forward, log-prob forward (output layer, log-probs and
 loss), log-prob backward, decoder backward, optimizer (clip, step, zero_grad), from hooks on the decoder and its
-output's gradient (synchronising CUDA at each boundary).
+output's gradient (synchronising CUDA at each boundary, so in one more update of its own: the timed updates read
+nothing on the host before their end, as the scripts' micro-batch loop). Also the seconds to set up (imports, model)
+and to warm up. The results files are rewritten after each side, so a side that stops the run loses only itself.
 """
 
 from __future__ import annotations
@@ -76,10 +80,11 @@ SHAPES = {
 # Peak dense bf16 tensor FLOP/s (NVIDIA datasheets, without sparsity), matched against torch's device name in order
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]
 # Our sides and the speed paths each turns on, as the scripts' --liger-kernel, --padding-free, --torch-compile and
-# --logprob-kernel triton do; ours-fast: all of them but compile
+# --logprob-kernel triton do
 OURS = {
     "ours": set(), "ours-liger": {"liger"}, "ours-padding-free": {"padding-free"}, "ours-compile": {"compile"},
-    "ours-triton": {"triton"}, "ours-fast": {"liger", "padding-free", "triton"},
+    "ours-triton": {"triton"}, "ours-fast": {"liger", "triton"}, "ours-fast-padding-free": {"liger", "triton",
+    "padding-free"},
 }  # fmt: skip
 SIDES = [*OURS, "trl", "trl-liger", "trl-fused", "trl-fused-liger"]
 ROWS, TRL_ROWS, TEMPERATURE = 16, 4, 1.0
@@ -134,11 +139,13 @@ def rollout(shape: str, vocab: int, device) -> dict:
 
 
 class Split:
-    """Times the phases of an update from hooks: the decoder's forward, the gradient reaching its output."""
+    """Times the phases of an update from hooks: the decoder's forward, the gradient reaching its output. Each mark
+    synchronises CUDA, so it times only while `active` (one update of its own); the timed updates run without it."""
 
     def __init__(self, model, device):
         import torch
 
+        self.active = False
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.times = dict.fromkeys(["decoder_fwd", "logprob_fwd", "logprob_bwd", "decoder_bwd", "optimizer"], 0.0)
         decoder = model.get_decoder()
@@ -146,10 +153,13 @@ class Split:
         decoder.register_forward_hook(self.decoder_done)
 
     def mark(self, name: str) -> None:
-        self.sync()
-        setattr(self, name, time.perf_counter())
+        if self.active:
+            self.sync()
+            setattr(self, name, time.perf_counter())
 
     def decoder_done(self, module, args, output) -> None:
+        if not self.active:
+            return
         self.mark("decoder_end")
         self.times["decoder_fwd"] += self.decoder_end - self.decoder_start
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
@@ -159,6 +169,9 @@ class Split:
     def backward(self, loss) -> None:
         """loss.backward(), split at the decoder output's gradient; the forward's log-prob part is what the decoder's
         forward did not take since `forward_start`."""
+        if not self.active:
+            loss.backward()
+            return
         self.mark("backward_start")
         self.times["logprob_fwd"] += self.backward_start - self.forward_start - (self.decoder_end - self.decoder_start)
         loss.backward()
@@ -186,7 +199,7 @@ def ours_update(policy, optimizer, batch, grpo, args, split: Split, autocast) ->
                 logps, logps.detach(), m["advantages"], m["mask"], args, num_tokens, num_seqs
             )
             split.backward(loss)
-            total += float(loss)
+            total += loss.detach()
     return total, step(policy, optimizer, split)
 
 
@@ -225,7 +238,7 @@ def trl_update(model, optimizer, batch, split: Split, autocast, fused: bool) -> 
         per_token = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
         split.backward(loss)
-        total += float(loss)
+        total += loss.detach()
     return total, step(model, optimizer, split)
 
 
@@ -233,15 +246,17 @@ def step(model, optimizer, split: Split) -> float:
     import torch
 
     split.mark("optimizer_start")
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # read after the update: no sync inside it
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     split.mark("optimizer_end")
-    split.times["optimizer"] += split.optimizer_end - split.optimizer_start
+    if split.active:
+        split.times["optimizer"] += split.optimizer_end - split.optimizer_start
     return norm
 
 
 def worker(side: str, shape: str, repeats: int, threads: int | None, profile: str | None = None) -> dict:
+    started = time.perf_counter()
     import torch
 
     if threads:
@@ -284,10 +299,12 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
     else:
         fused = side.startswith("trl-fused")
         update = lambda: trl_update(model, optimizer, batch, split, autocast, fused)  # noqa: E731
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)  # the scripts' and transformers' on CUDA
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the model, before any update
+    setup_s = time.perf_counter() - started
     loss, norm = update()  # warm-up: AdamW's state, allocator, compilation
-    split.times = dict.fromkeys(split.times, 0.0)
+    split.sync()
+    warmup_s = time.perf_counter() - started - setup_s
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, norms = [], []
@@ -298,8 +315,12 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         split.sync()
         times.append(time.perf_counter() - start)
         norms.append(float(norm))
+    split.active = True  # one more update, timed phase by phase
+    update()
+    split.active = False
     if profile:  # one more update under torch's profiler: its kernels by total device time
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
@@ -327,7 +348,9 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_before_update_mib": rss_before,
-        "split_s": {k: v / repeats for k, v in split.times.items()},
+        "split_s": split.times,
+        "setup_s": setup_s,
+        "warmup_s": warmup_s,
         "loss": float(loss),
         "grad_norm": norms[-1],
     }
@@ -391,12 +414,13 @@ def markdown(results: list[dict], meta: dict) -> str:
     base = next((r for r in ok if r["side"] == "trl"), None)
     rows = [
         "| side | update (s) | tokens/s (real) | MFU | peak GiB (CUDA) | peak RSS MiB | decoder fwd | log-prob fwd "
-        "| log-prob bwd | decoder bwd | optimizer | tokens computed | loss | grad norm | tokens/s vs trl |",
-        "|" + "---|" * 15,
+        "| log-prob bwd | decoder bwd | optimizer | tokens computed | loss | grad norm | tokens/s vs trl "
+        "| set-up + warm-up (s) |",
+        "|" + "---|" * 16,
     ]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['side']} | error: {r['error']} |" + " |" * 13)
+            rows.append(f"| {r['side']} | error: {r['error']} |" + " |" * 14)
             continue
         s = r["split_s"]
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -405,13 +429,15 @@ def markdown(results: list[dict], meta: dict) -> str:
             f"| {fmt(r['peak_gib'], '.1f')} | {r['peak_rss_mib']:.0f} | {s['decoder_fwd']:.3f} "
             f"| {s['logprob_fwd']:.3f} "
             f"| {s['logprob_bwd']:.3f} | {s['decoder_bwd']:.3f} | {s['optimizer']:.3f} | {r['computed_tokens']} "
-            f"| {r['loss']:.6g} | {r['grad_norm']:.6g} | {fmt(ratio, '.2f')} |"
+            f"| {r['loss']:.6g} | {r['grad_norm']:.6g} | {fmt(ratio, '.2f')} "
+            f"| {r.get('setup_s', 0):.0f} + {r.get('warmup_s', 0):.0f} |"
         )
     head = [
         f"# bench_trainer: {meta['shape']} on {meta['device']}",
         "",
         f"{meta['date']}; `{meta['command']}`; {meta['params'] / 1e6:.1f}M parameters, {meta['real_tokens']} real "
-        f"tokens (16 rows); {meta['repeats']} timed updates after one warm-up, median; split in seconds per update.",
+        f"tokens (16 rows); {meta['repeats']} timed updates after one warm-up, median; split in seconds, from one more "
+        "update.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + ".",
         "",
     ]
@@ -444,6 +470,12 @@ def main() -> None:
         results.append(run_side(side, a.shape, a.repeats, a.timeout, threads, profile))
         r = results[-1]
         print(side, r.get("error") or f"{r['update_s']:.3f} s, {r['tokens_per_s']:.0f} tok/s", flush=True)
+        text = report(results, a, cuda, threads, have)
+    print(text)
+
+
+def report(results: list[dict], a, cuda: bool, threads: int | None, have: dict) -> str:
+    """The results so far as markdown, written with their JSON to --out."""
     ok = [r for r in results if "error" not in r]
     device = ok[0]["device"] if ok else ("cuda" if cuda else "cpu")
     meta = {
@@ -458,7 +490,6 @@ def main() -> None:
         "versions": have,
     }
     text = markdown(results, meta)
-    print(text)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         stem = os.path.join(a.out, f"trainer_{'cuda' if cuda else 'cpu'}_{a.shape}")
@@ -466,6 +497,7 @@ def main() -> None:
             f.write(text)
         with open(stem + ".json", "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
+    return text
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def grad_normalizers(masks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     counts = torch.stack(
         [
             sum(m.sum() for m in masks).float(),
-            torch.tensor(float(sum(m.shape[0] for m in masks)), device=masks[0].device),
+            # a fill kernel, not a copy from host memory: CUDA would wait for it (vapo.py calls this mid-loop)
+            torch.full((), float(sum(m.shape[0] for m in masks)), device=masks[0].device),
         ]
     )
     world = 1

@@ -112,7 +112,10 @@ def load_critic(args: CriticArgs, accelerator):
 
     critic = build_critic(args.critic_model_name_or_path or args.model_name_or_path, args)
     trainable = [p for p in critic.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay)
+    fused = accelerator.device.type == "cuda"  # as the policy's (common/run.py)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay, fused=fused
+    )
     warmup = args.critic_warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:

@@ -8,8 +8,10 @@ states and turns only the completion positions into log-probs, `chunk_size` rows
 `chunked_logprobs`, a custom autograd function: the forward keeps the hidden states, the output weight and
 one logsumexp per token; the backward recomputes each chunk's logits and writes the gradient straight into
 d(hidden) and d(weight). Peak extra memory is one chunk x vocab in fp32 instead of all tokens x vocab.
-With kernel="triton" (GPU) the forward is instead one fused Triton kernel (common/triton_logprobs.py) that
-never holds more than a tile of logits; the backward is the same chunked recompute.
+With kernel="triton" (GPU) the GEMMs stay cuBLAS's and two Triton kernels (common/triton_logprobs.py) do each
+chunk's softmax: one pass over its logits in their own dtype for the forward, one for d logits in the backward,
+where torch takes half a dozen in fp32. With kernel="triton-fused" the forward is one Triton kernel with the
+output layer inside, which never holds more than a tile of logits (slower); its backward is the torch path's.
 Logits are divided by the sampling temperature before the log-softmax, so log-probs match what the sampler
 drew from; accumulation is fp32 whatever the model dtype. Under autocast the three GEMMs (h W^T, dlogits W,
 dlogits^T h) take the autocast dtype in the forward and the backward (fp32 accumulation inside the GEMM, the
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from common.args import SharedArgs
 
-KERNELS = ("torch", "triton")
+KERNELS = ("torch", "triton", "triton-fused")
 
 
 @dataclass(frozen=True)
@@ -123,15 +125,15 @@ def weights_cast_once() -> Iterator[None]:
 
 
 def _check_kernel(kernel: str) -> None:
-    """Rejects unknown kernels, and kernel="triton" without triton installed, before any work is done."""
+    """Rejects unknown kernels, and a Triton kernel without triton installed, before any work is done."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown log-prob kernel {kernel!r}; choose one of {KERNELS}")
-    if kernel == "triton":
+    if kernel.startswith("triton"):
         try:
             import common.triton_logprobs  # noqa: F401
         except ImportError as e:
             raise ImportError(
-                "kernel='triton' needs the triton package (it comes with CUDA builds of torch; otherwise "
+                f"kernel={kernel!r} needs the triton package (it comes with CUDA builds of torch; otherwise "
                 "pip install triton), or use kernel='torch'"
             ) from e
 
@@ -144,15 +146,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
         # Under autocast the GEMMs take its dtype, here and in the backward; otherwise h and w are the inputs.
         dtype = _gemm_dtype(hidden)
         h, w = hidden.to(dtype), _cast(weight, dtype)
-        if kernel == "triton":  # fused forward; the backward below only needs its lse
+        n, acc = hidden.shape[0], _acc_dtype(hidden)
+        if kernel == "triton-fused":  # the backward below only needs its lse
             from common.triton_logprobs import fused_logprobs_forward
 
             logps, entropy, lse = fused_logprobs_forward(h, w, targets, temperature)
         else:
-            n, acc = hidden.shape[0], _acc_dtype(hidden)
             logps = torch.empty(n, dtype=acc, device=hidden.device)
             entropy = torch.empty(n, dtype=acc, device=hidden.device)
             lse = torch.empty(n, dtype=acc, device=hidden.device)
+        if kernel == "triton":  # cuBLAS's logits in the GEMMs' dtype, one Triton pass over each chunk of them
+            from common.triton_logprobs import softmax_stats
+
+            temp = torch.full((1,), temperature, dtype=acc, device=hidden.device)
+            for s in range(0, n, chunk_size):
+                e = s + chunk_size
+                softmax_stats(h[s:e] @ w.T, targets[s:e], temp, logps[s:e], entropy[s:e], lse[s:e])
+        elif kernel == "torch":
             for s in range(0, n, chunk_size):
                 # In-place ops throughout: at most two [chunk x vocab] fp32 buffers are alive at once.
                 logits = transform((h[s : s + chunk_size] @ w.T).to(acc)).div_(temperature)
@@ -162,7 +172,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 entropy[s : s + chunk_size] = -logp_all.exp().mul_(logp_all).sum(-1)
                 lse[s : s + chunk_size] = lse_c
         ctx.save_for_backward(h, w, targets, lse)
-        ctx.temperature, ctx.chunk_size, ctx.transform = temperature, chunk_size, transform
+        ctx.temperature, ctx.chunk_size, ctx.transform, ctx.kernel = temperature, chunk_size, transform, kernel
         ctx.dtypes = hidden.dtype, weight.dtype  # the gradients'
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -175,15 +185,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=ctx.dtypes[0], device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_logps = grad_logps.to(acc)
+        if ctx.kernel == "triton":
+            from common.triton_logprobs import softmax_grad_
+
+            temp = torch.full((1,), ctx.temperature, dtype=acc, device=hidden.device)
         for s in range(0, hidden.shape[0], ctx.chunk_size):
             h = hidden[s : s + ctx.chunk_size]
             g = grad_logps[s : s + ctx.chunk_size]
-            z = ctx.transform((h @ weight.T).to(acc))  # a second buffer only with a soft cap (its derivative reads z)
-            logits = z.clone() if ctx.transform.softcap is not None else z
-            # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
-            d_logits = logits.div_(ctx.temperature).sub_(lse[s : s + ctx.chunk_size, None]).exp_().mul_(-g[:, None])
-            d_logits.scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
-            d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z).to(weight.dtype)
+            if ctx.kernel == "triton":  # one pass, over the logits in the GEMMs' dtype
+                e = s + ctx.chunk_size
+                d_logits = softmax_grad_(h @ weight.T, targets[s:e], lse[s:e], g, temp)
+            else:
+                z = ctx.transform((h @ weight.T).to(acc))  # a second buffer only with a soft cap (its derivative
+                logits = z.clone() if ctx.transform.softcap is not None else z  # reads z)
+                # d logp_target / d logits = onehot(target) - softmax(logits), times 1/T for the temperature.
+                d_logits = logits.div_(ctx.temperature).sub_(lse[s : s + ctx.chunk_size, None]).exp_()
+                d_logits.mul_(-g[:, None]).scatter_add_(1, targets[s : s + ctx.chunk_size, None], g[:, None])
+                d_logits = ctx.transform.backward(d_logits.div_(ctx.temperature), z).to(weight.dtype)
             if need_h:
                 grad_h[s : s + ctx.chunk_size] = d_logits @ weight
             if need_w and weight.dtype == acc:
@@ -207,14 +225,15 @@ def chunked_logprobs(
 
     hidden: [..., H]; weight: [V, H] (a bias-free output layer); targets: [...] token ids.
     Returns (logps, entropy), both fp32 (fp64 for fp64 inputs) of shape [...]; only logps carries a gradient.
-    kernel: "torch" (chunked matmul + log-softmax) or "triton" (fused Triton forward, CUDA tensors, identity
-    transform only; the backward is the same chunked recompute either way, `chunk_size` rows at a time).
+    kernel: "torch" (chunked matmul + log-softmax), "triton" (chunked cuBLAS matmuls, Triton's softmax and
+    d logits; CUDA tensors, identity transform only) or "triton-fused" (the output layer fused into a Triton
+    forward; the torch path's backward). Every backward recomputes the logits, `chunk_size` rows at a time.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     _check_kernel(kernel)
-    if kernel == "triton" and transform != LogitTransform():
-        raise ValueError(f"kernel='triton' has no logit scale or soft cap ({transform}): use kernel='torch'")
+    if kernel != "torch" and transform != LogitTransform():
+        raise ValueError(f"kernel={kernel!r} has no logit scale or soft cap ({transform}): use kernel='torch'")
     shape = targets.shape
     logps, entropy = _ChunkedLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),

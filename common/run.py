@@ -55,9 +55,11 @@ def check_shared_args(args: SharedArgs) -> None:
         raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
     if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
         raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
-    if args.logprob_kernel == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    triton = args.logprob_kernel.startswith("triton")
+    if triton and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(
-            "--logprob-kernel triton needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU interpreter)"
+            f"--logprob-kernel {args.logprob_kernel} needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU "
+            "interpreter)"
         )
     if args.micro_batch_tokens < 0:
         raise SystemExit(
@@ -377,7 +379,9 @@ def prepare_training(args: SharedArgs, model, accelerator):
         model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free
     )
     trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay)
+    # on CUDA one fused kernel per step, as transformers' default optimizer (adamw_torch_fused)
+    fused = accelerator.device.type == "cuda"
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(

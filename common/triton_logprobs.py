@@ -1,4 +1,14 @@
-"""Fused output layer -> per-token log-prob + entropy forward, as one Triton kernel.
+"""Triton kernels of the log-prob path (common.logprobs.chunked_logprobs): the softmax around cuBLAS's GEMMs
+(kernel="triton"), or the output layer fused into the forward (kernel="triton-fused").
+
+kernel="triton": the chunk's logits z = h W^T come from cuBLAS in the GEMMs' dtype (bf16 under autocast), and two
+kernels replace torch's half-dozen passes over them in fp32:
+  `softmax_stats`  one pass over each row of z: lse, logp_target and entropy (the online softmax below);
+  `softmax_grad_`  d logp / d(h W^T) = g (onehot(target) - softmax(z / T)) / T, written over z in its own dtype,
+                   ready for the two backward GEMMs.
+Each reads the logits once, in their own dtype, and does its arithmetic in fp32 (fp64 for fp64 logits).
+
+kernel="triton-fused": the output layer -> per-token log-prob + entropy forward as one Triton kernel.
 
 `fused_logprobs_forward(hidden, weight, targets, temperature)` returns, for each row i,
 
@@ -16,10 +26,10 @@ When a tile raises the max from m to m', the old sums are rescaled by exp(m - m'
 entropy = lse - E[z] = log s - a / s, the entropy never subtracts two large numbers. (Keeping a relative to
 m is the same algorithm as summing exp(z - m) z; it only avoids that cancellation for large logits.)
 
-Only the forward is here. `common.logprobs._ChunkedLogProbs` saves the returned lse and runs its usual chunked
+Only the forward is fused. `common.logprobs._ChunkedLogProbs` saves the returned lse and runs its usual chunked
 PyTorch backward, which recomputes each chunk's logits from hidden and weight.
 
-This module imports triton at the top; common.logprobs imports it only when kernel="triton" is asked for.
+This module imports triton at the top; common.logprobs imports it only when a Triton kernel is asked for.
 On a CPU (tests) set TRITON_INTERPRET=1 before triton is first imported: `triton.jit` reads it when the
 kernel below is decorated.
 """
@@ -136,3 +146,112 @@ def fused_logprobs_forward(
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return logps, entropy, lse
+
+
+@triton.jit
+def _softmax_stats_kernel(
+    z_ptr, tgt_ptr, temp_ptr, logp_ptr, ent_ptr, lse_ptr, vocab, stride_zn,
+    ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    z_row = z_ptr + row.to(tl.int64) * stride_zn
+    temp = tl.load(temp_ptr)
+    m = float("-inf")  # the online softmax of the fused kernel above, one row per program
+    s = 0.0
+    a = 0.0
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        ok = cols < vocab
+        z = tl.load(z_row + cols, mask=ok, other=float("-inf")).to(ACC) / temp
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        p = tl.exp(z - m_new)
+        z_rel = tl.where(ok, z - m_new, 0.0)
+        scale = tl.exp(m - m_new)
+        a = scale * (a + tl.where(s > 0, m - m_new, 0.0) * s) + tl.sum(p * z_rel, axis=0)
+        s = scale * s + tl.sum(p, axis=0)
+        m = m_new
+    z_tgt = tl.load(z_row + tl.load(tgt_ptr + row)).to(ACC) / temp
+    log_s = tl.log(s)
+    lse = m + log_s
+    tl.store(logp_ptr + row, z_tgt - lse)
+    tl.store(ent_ptr + row, log_s - a / s)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _softmax_grad_kernel(
+    z_ptr, tgt_ptr, lse_ptr, g_ptr, temp_ptr, vocab, stride_zn,
+    ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    ok = cols < vocab
+    ptrs = z_ptr + row.to(tl.int64) * stride_zn + cols
+    temp = tl.load(temp_ptr)
+    g = tl.load(g_ptr + row).to(ACC)
+    z = tl.load(ptrs, mask=ok, other=0.0).to(ACC)
+    # as the torch path: (-g exp(z / T - lse) + g onehot(target)) / T
+    d = -g * tl.exp(z / temp - tl.load(lse_ptr + row))
+    d = tl.where(cols == tl.load(tgt_ptr + row), d + g, d) / temp
+    tl.store(ptrs, d.to(z_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_checks(logits: Tensor, *kernels) -> bool:
+    """Refuses what the kernels cannot run; True when they run in Triton's interpreter."""
+    interpreted = not all(isinstance(k, triton.runtime.JITFunction) for k in kernels)
+    if logits.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"the Triton log-prob kernels need CUDA tensors, got {logits.device}; on a CPU use kernel='torch' "
+            "(or set TRITON_INTERPRET=1 before importing triton, for tests)"
+        )
+    if interpreted and logits.dtype == torch.bfloat16:
+        raise NotImplementedError("triton's interpreter has no bf16 arithmetic; test in fp16, fp32 or fp64")
+    if not interpreted and logits.dtype == torch.float64:
+        raise NotImplementedError("the Triton log-prob kernels are not compiled for fp64; use kernel='torch'")
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"expected logits [N, V] with contiguous rows, got shape {tuple(logits.shape)}")
+    return interpreted
+
+
+def _block(vocab: int) -> int:
+    return min(4096, triton.next_power_of_2(vocab))
+
+
+def softmax_stats(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: Tensor,
+    logps: Tensor,
+    entropy: Tensor,
+    lse: Tensor,
+    block_v: int | None = None,
+) -> None:
+    """Per row of `logits` ([N, V], any float dtype) over `temperature` (a 1-element tensor in the outputs' dtype):
+    logp of `targets` ([N]), entropy and logsumexp, written into `logps`, `entropy`, `lse` ([N] each, contiguous,
+    fp32 or fp64: the arithmetic's dtype). block_v: the vocabulary tile (a power of two; default up to 4096)."""
+    _launch_checks(logits, _softmax_stats_kernel)
+    n, vocab = logits.shape
+    if n == 0:
+        return
+    _softmax_stats_kernel[(n,)](
+        logits, targets.contiguous(), temperature, logps, entropy, lse, vocab, logits.stride(0),
+        ACC=_TL_DTYPES[lse.dtype], BLOCK_V=block_v or _block(vocab), num_warps=8,
+    )  # fmt: skip
+
+
+def softmax_grad_(
+    logits: Tensor, targets: Tensor, lse: Tensor, grad_logps: Tensor, temperature: Tensor, block_v: int | None = None
+) -> Tensor:
+    """d(sum g * logp_target) / d(logits * T), i.e. g (onehot(target) - softmax(logits / T)) / T per row, written over
+    `logits` ([N, V], its own dtype) and returned; lse, grad_logps ([N]) and temperature (1 element) in the
+    arithmetic's dtype (fp32, or fp64)."""
+    _launch_checks(logits, _softmax_grad_kernel)
+    n, vocab = logits.shape
+    if n == 0:
+        return logits
+    block = block_v or _block(vocab)
+    _softmax_grad_kernel[(n, triton.cdiv(vocab, block))](
+        logits, targets.contiguous(), lse.contiguous(), grad_logps.contiguous(), temperature, vocab,
+        logits.stride(0), ACC=_TL_DTYPES[lse.dtype], BLOCK_V=block, num_warps=8,
+    )  # fmt: skip
+    return logits

@@ -278,10 +278,11 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
+@pytest.mark.parametrize("script,kernel", [*((s, "torch") for s in SCRIPTS), ("grpo", "triton")])
+def test_no_host_sync_in_the_micro_batch_loop(script, kernel, toy_assets, monkeypatch):
     """GPU only (docs/gpu.md "GPU status"): from the mini-batch's normalisers to its gradient clip, `update_policy`
-    runs under torch.cuda.set_sync_debug_mode("error"), i.e. no micro-batch reads the device."""
+    runs under torch.cuda.set_sync_debug_mode("error"), i.e. no micro-batch reads the device (with the default
+    log-prob kernel, and grpo.py with --logprob-kernel triton too)."""
     import importlib
 
     from accelerate import Accelerator
@@ -294,7 +295,7 @@ def test_no_host_sync_in_the_micro_batch_loop(script, toy_assets, monkeypatch):
     accelerator = Accelerator()
     args = mod.Args(group_size=4, micro_batch_size=3, num_mini_batches=2, ppo_epochs=1, max_new_tokens=6)
     args.rollout_correction = "token-truncate"  # as with vLLM: the correction's weights and the canary act too
-    policy = TokenLogProbs(AutoModelForCausalLM.from_pretrained(toy_assets["model"]))
+    policy = TokenLogProbs(AutoModelForCausalLM.from_pretrained(toy_assets["model"]), kernel=kernel)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)

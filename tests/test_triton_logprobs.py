@@ -20,7 +20,12 @@ import pytest  # noqa: E402
 
 from common import triton_logprobs  # noqa: E402  (imports triton; after TRITON_INTERPRET is set)
 from common.logprobs import TokenLogProbs, chunked_logprobs  # noqa: E402
-from tests.fp_bounds import assert_within, fp32_gemm_sums, logprob_error_bounds  # noqa: E402
+from tests.fp_bounds import (  # noqa: E402
+    assert_within,
+    fp32_gemm_sums,
+    log_softmax_error_bounds,
+    logprob_error_bounds,
+)
 from tests.test_loss import GemmDtypes, naive  # noqa: E402  (naive: the float64 full log-softmax reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +33,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float64] if DEVICE == "cpu" else [torch.float32]
 N, H, V = 37, 48, 301  # no multiple of any block size below
 SMALL_BLOCKS = dict(block_n=16, block_v=32, block_k=16)  # 3 row blocks, 10 vocab tiles, 3 hidden steps
+TRITON_KERNELS = ("triton", "triton-fused")  # Triton's softmax around torch's matmuls; the fused forward
 # Tolerances: 2 x the worst-case rounding-error bound B of tests/fp_bounds.py, elementwise, from the inputs, the
 # dtype's unit roundoff, H, V, N and 1/T (each side is within B of the exact value). B holds for any summation
 # order, so for any CPU or GPU; here the errors use up to ~6% of it (fp32 and fp64). A real defect (a missing
@@ -74,59 +80,106 @@ def test_large_logits_with_the_max_in_the_last_tile():
         assert_within(x, ref, 2 * bound[name], name)
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, *([torch.float16] if DEVICE == "cpu" else [torch.bfloat16])])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_softmax_kernels_match_fp64_over_many_tiles(dtype, temperature):
+    """kernel="triton"'s two kernels on given logits, 10 vocabulary tiles (block_v=32), the largest logit of some
+    rows in the last tile and logits up to ~100: lse, logp and entropy within fp_bounds' bound of the float64
+    ones (the logits exact, dz = the rounding of z / T); d logits within the backward's bound plus one rounding to
+    the logits' dtype (tests/fp_bounds.py's d logits line)."""
+    g = torch.Generator().manual_seed(11)
+    z = (torch.randn(N, V, dtype=torch.float64, generator=g) * 8).to(dtype)
+    z[::3, -1] = 100.0  # the max in the last tile, after nine tiles of smaller ones: the online rescale
+    t = torch.randint(0, V, (N,), generator=g)
+    t[0], t[1] = V - 1, 0
+    up = torch.randn(N, dtype=torch.float64, generator=g)
+    acc = torch.promote_types(dtype, torch.float32)
+    wide = torch.zeros(N, V + 7, dtype=dtype)
+    wide[:, :V] = z  # rows V + 7 apart
+    logits = wide.to(DEVICE)[:, :V]
+    temp = torch.full((1,), temperature, dtype=acc, device=DEVICE)
+    logps, entropy, lse = (torch.empty(N, dtype=acc, device=DEVICE) for _ in range(3))
+    triton_logprobs.softmax_stats(logits, t.to(DEVICE), temp, logps, entropy, lse, block_v=32)
+    z64 = z.double() / temperature  # the exact logits over T
+    u = torch.finfo(acc).eps / 2
+    dz = u * z64.abs()
+    bound = log_softmax_error_bounds(z64, t, dz, acc)
+    ref = torch.log_softmax(z64, -1)
+    want = (ref.gather(1, t[:, None]).squeeze(1), -(ref.exp() * ref).sum(-1), torch.logsumexp(z64, -1))
+    for name, got, w in zip(("logps", "entropy", "lse"), (logps, entropy, lse), want):
+        assert got.dtype == acc
+        assert_within(got, w, 2 * bound[name], name)
+    d = triton_logprobs.softmax_grad_(logits, t.to(DEVICE), lse, up.to(DEVICE, acc), temp, block_v=32)
+    assert d.data_ptr() == logits.data_ptr() and d.dtype == dtype  # in place, in the logits' dtype
+    assert torch.equal(wide[:, V:], torch.zeros(N, 7, dtype=dtype))  # nothing written past a row
+    p = ref.exp()
+    onehot = torch.zeros_like(p).scatter_(1, t[:, None], 1.0)
+    want = up[:, None] * (onehot - p) / temperature
+    gabs = up.abs()[:, None] / temperature
+    e_lse = bound["lse"][:, None]
+    store = torch.finfo(dtype).eps / 2
+    tol = gabs * (p * (dz + e_lse + 2 * u) + 3 * u * (p + onehot)) + store * want.abs()
+    # p ~ e^-100 is subnormal: exp, the product with g and the division by T each round by up to half its spacing
+    tol += torch.finfo(acc).smallest_normal * u * (gabs + 2) + torch.finfo(dtype).smallest_normal * store
+    assert_within(d, want, 2 * tol, "d logits")
+
+
+@pytest.mark.parametrize("kernel", TRITON_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_triton_path_matches_torch_path_and_reference_with_gradients(dtype, temperature):
+def test_triton_path_matches_torch_path_and_reference_with_gradients(kernel, dtype, temperature):
     h, w, t = inputs(dtype, seed=2)
     upstream = torch.randn(N, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
     results = {}
-    for kernel in ("triton", "torch"):
+    for k in (kernel, "torch"):
         hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        lp, ent = chunked_logprobs(hk, wk, t, temperature, chunk_size=16, kernel=kernel)
+        lp, ent = chunked_logprobs(hk, wk, t, temperature, chunk_size=16, kernel=k)
         assert not ent.requires_grad
-        results[kernel] = (lp, ent, *torch.autograd.grad((lp * upstream).sum(), (hk, wk)))
+        results[k] = (lp, ent, *torch.autograd.grad((lp * upstream).sum(), (hk, wk)))
     hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
     lp, ent = naive(hr, wr, t, temperature)
     ref = (lp, ent, *torch.autograd.grad((lp * upstream.double()).sum(), (hr, wr)))
     bound = logprob_error_bounds(h, w, t, temperature, dtype, upstream)
     names = ("logps", "entropy", "grad_h", "grad_w")
-    for name, got, want, want_torch in zip(names, results["triton"], ref, results["torch"]):
+    for name, got, want, want_torch in zip(names, results[kernel], ref, results["torch"]):
         assert got.dtype == dtype
         assert_within(got, want, 2 * bound[name], name)
         assert_within(got, want_torch, 2 * bound[name], name)
 
 
-def test_triton_path_multiplies_in_the_autocast_dtype():
+@pytest.mark.parametrize("kernel", TRITON_KERNELS)
+def test_triton_path_multiplies_in_the_autocast_dtype(kernel):
     h, w, t = inputs(torch.float32, seed=4)
-    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 tl.dot
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 arithmetic
     with torch.autocast(DEVICE, dtype=half):
-        lp, ent = chunked_logprobs(h, w, t, 0.7, kernel="triton")
-        lp_torch, ent_torch = chunked_logprobs(h, w, t, 0.7, kernel="torch")
+        lp, ent = chunked_logprobs(h, w, t, 0.7, chunk_size=16, kernel=kernel)
+        lp_torch, ent_torch = chunked_logprobs(h, w, t, 0.7, chunk_size=16, kernel="torch")
     hh, wh = h.to(half), w.to(half)
     ref_lp, ref_ent, _ = reference(hh, wh, t, 0.7)
     assert lp.dtype == torch.float32
-    # both multiply the half-rounded inputs (exact products, fp32 sums): the fused kernel is within the fp32 bound
-    # of the fp64 result on those inputs; torch also rounds the logits to half before its fp32 softmax (rounded_to)
+    # all multiply the half-rounded inputs (exact products, fp32 sums): the fused kernel is within the fp32 bound
+    # of the fp64 result on those inputs; torch and triton round the logits to half before an fp32 softmax
     fused = logprob_error_bounds(hh, wh, t, 0.7, torch.float32)
     torch_path = logprob_error_bounds(hh, wh, t, 0.7, torch.float32, rounded_to=half)
-    assert_within(lp, ref_lp, 2 * fused["logps"], "logps")
-    assert_within(ent, ref_ent, 2 * fused["entropy"], "entropy")
-    assert_within(lp, lp_torch, fused["logps"] + torch_path["logps"], "logps vs torch")
-    assert_within(ent, ent_torch, fused["entropy"] + torch_path["entropy"], "entropy vs torch")
+    own = fused if kernel == "triton-fused" else torch_path
+    assert_within(lp, ref_lp, 2 * own["logps"], "logps")
+    assert_within(ent, ref_ent, 2 * own["entropy"], "entropy")
+    assert_within(lp, lp_torch, own["logps"] + torch_path["logps"], "logps vs torch")
+    assert_within(ent, ent_torch, own["entropy"] + torch_path["entropy"], "entropy vs torch")
 
 
 def test_triton_path_backward_multiplies_in_the_autocast_dtype():
-    """The Triton path's backward (the torch path's chunked recompute) runs its three GEMMs per chunk in the autocast
-    dtype too: both paths' gradients are within the half-precision bound of the float64 ones (tests/fp_bounds.py,
-    fp32 inputs rounded by autocast)."""
+    """The Triton paths' backward (Triton's d logits, or the torch path's) runs its three GEMMs per chunk in the
+    autocast dtype too: every path's gradients are within the half-precision bound of the float64 ones
+    (tests/fp_bounds.py, fp32 inputs rounded by autocast)."""
     h, w, t = inputs(torch.float32, seed=6)
     upstream = torch.randn(N, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 tl.dot
+    half = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter has no bf16 arithmetic
     hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
     lp, _ = naive(hr, wr, t, 0.7)
     exact = torch.autograd.grad((lp * upstream.double()).sum(), (hr, wr))
     bound = logprob_error_bounds(h, w, t, 0.7, torch.float32, upstream, rounded_to=half, autocast=True)
-    for kernel in ("triton", "torch"):
+    for kernel in (*TRITON_KERNELS, "torch"):
         hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         with torch.autocast(DEVICE, dtype=half):
             lp, _ = chunked_logprobs(hk, wk, t, 0.7, chunk_size=16, kernel=kernel)
@@ -138,8 +191,9 @@ def test_triton_path_backward_multiplies_in_the_autocast_dtype():
             assert_within(got, want, bound[name], f"{kernel} {name}")
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="in fp64, which the compiled kernel refuses")
-def test_token_logprobs_triton_matches_torch_on_toy_qwen2(toy_assets):
+@pytest.mark.skipif(DEVICE == "cuda", reason="in fp64, which the compiled kernels refuse")
+@pytest.mark.parametrize("kernel", TRITON_KERNELS)
+def test_token_logprobs_triton_matches_torch_on_toy_qwen2(kernel, toy_assets):
     """The kernel wired into TokenLogProbs: same log-probs, entropies and parameter gradients as the torch path.
     In fp64, so that the decoder's own rounding, which both paths share, stays far below what is checked."""
     from transformers import AutoModelForCausalLM
@@ -147,16 +201,17 @@ def test_token_logprobs_triton_matches_torch_on_toy_qwen2(toy_assets):
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8, 9, 11]], device=DEVICE)
     attn = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], device=DEVICE)
     out = {}
-    for kernel in ("triton", "torch"):
+    for k in (kernel, "torch"):
         lm = AutoModelForCausalLM.from_pretrained(toy_assets["model"], dtype=torch.float64).to(DEVICE)
         seen = []  # the decoder's last hidden states: the head's inputs
         keep = lambda mod, args, kwargs, res, seen=seen: seen.append(res.last_hidden_state.detach())
         lm.get_decoder().register_forward_hook(keep, with_kwargs=True)
-        policy = TokenLogProbs(lm, chunk_size=3, kernel=kernel)
+        policy = TokenLogProbs(lm, chunk_size=3, kernel=k)
         lp, ent = policy(ids, attn, completion_start=4, temperature=0.7)
         lp.sum().backward()
-        out[kernel] = (lp, ent, {n: p.grad for n, p in lm.named_parameters() if p.grad is not None})
-    (lp, ent, grads), (lp_t, ent_t, grads_t) = out["triton"], out["torch"]
+        out[k] = (lp, ent, {n: p.grad for n, p in lm.named_parameters() if p.grad is not None})
+    lp_t, ent_t, grads_t = out.pop("torch")
+    ((lp, ent, grads),) = out.values()  # the Triton kernel's
     hidden, weight = (seen[0][:, 3:-1].reshape(-1, seen[0].shape[-1]), lm.get_output_embeddings().weight)
     bound = logprob_error_bounds(hidden, weight, ids[:, 4:].reshape(-1), 0.7, torch.float64)  # tests/fp_bounds.py
     assert_within(lp, lp_t, 2 * bound["logps"].view_as(lp), "logps")
@@ -212,11 +267,14 @@ def test_compiled_kernel_matches_torch_path_on_cuda(dtype):
     for name, x, r in zip(("logps", "entropy", "lse"), got, ref):
         assert_within(x, r, 2 * fused[name], name)
     res = {}
-    for kernel in ("triton", "torch"):
+    for kernel in (*TRITON_KERNELS, "torch"):
         hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         lp, ent = chunked_logprobs(hk, wk, t, 0.7, chunk_size=256, kernel=kernel)
         res[kernel] = (lp, ent, *torch.autograd.grad(lp.sum(), (hk, wk)))
-    for name, a, b in zip(("logps", "entropy", "grad_h", "grad_w"), res["triton"], res["torch"]):
-        # forward: fused vs torch path; backward: the same torch code on both (bf16 logits and gradients)
-        tol = fused[name] + torch_path[name] if name in ("logps", "entropy") else 2 * torch_path[name]
-        assert_within(a, b, tol, name)
+    for kernel in TRITON_KERNELS:
+        for name, a, b in zip(("logps", "entropy", "grad_h", "grad_w"), res[kernel], res["torch"]):
+            # forward: the fused kernel's own bound, or the torch path's (both read the logits in `dtype`);
+            # backward: bf16 (or fp32) logits and gradients on every path
+            own = fused if kernel == "triton-fused" else torch_path
+            tol = own[name] + torch_path[name] if name in ("logps", "entropy") else 2 * torch_path[name]
+            assert_within(a, b, tol, f"{kernel} {name}")
