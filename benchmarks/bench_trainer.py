@@ -11,12 +11,14 @@ on CUDA, as the scripts and transformers' default optimizer); on CUDA every forw
 scripts train; on a CPU fp32 (the scripts' default there).
 
 Sides (each in a fresh process, same seed, same model and batch; one warm-up update, then --repeats timed ones):
-  ours              grpo.py's update_policy: common.logprobs.TokenLogProbs (chunked log-probs), GRPO's
-                    compute_policy_loss, token-budget micro-batches (--micro-batch-tokens 8192), weights_cast_once
+  ours              grpo.py's update_policy: common.logprobs.TokenLogProbs (chunked log-probs, torch's softmax:
+                    --logprob-kernel torch), GRPO's compute_policy_loss, token-budget micro-batches
+                    (--micro-batch-tokens 8192), weights_cast_once
   ours-liger        ours with Liger's RMSNorm / SwiGLU / RoPE (common.kernels.use_liger_kernels; CUDA)
   ours-padding-free ours with padding-free micro-batches (on CUDA flash-attn, else torch's flex attention)
   ours-compile      ours with torch.compile of the decoder layers (the timed updates follow a compiling warm-up)
-  ours-triton       ours with --logprob-kernel triton: Triton's softmax and d logits (common/triton_logprobs.py; CUDA)
+  ours-triton       ours with --logprob-kernel triton: Triton's softmax and d logits (common/triton_logprobs.py;
+                    CUDA), what the scripts' default --logprob-kernel auto picks there
   ours-fast         ours with Liger's kernels and --logprob-kernel triton (CUDA)
   ours-fast-padding-free   ours-fast with padding-free micro-batches (CUDA)
   trl               the path the issue measured: full logits of the completion, trl.trainer.utils

@@ -150,9 +150,10 @@ class SharedArgs:
     """recompute activations in the backward pass to save memory"""
     logprob_chunk_size: int = 1024
     """tokens per chunk when turning hidden states into log-probs (bounds a tokens x vocab array)"""
-    logprob_kernel: Literal["torch", "triton", "triton-fused"] = "torch"
-    """torch: chunked matmul + log-softmax; triton: the same matmuls with Triton's softmax and d logits (GPU,
-    fastest); triton-fused: the output layer fused into a Triton forward (GPU)"""
+    logprob_kernel: Literal["auto", "torch", "triton", "triton-fused"] = "auto"
+    """torch: chunked matmul + log-softmax; triton: the same matmuls with Triton's softmax and d logits (GPU);
+    triton-fused: the output layer fused into a Triton forward (GPU, slower); auto: triton on CUDA when triton is
+    installed and the output layer has no logit scale or soft cap, else torch"""
     padding_free: bool = False
     """pack each micro-batch's rows into one sequence without padding (flash-attn, else flex attention,
     on CUDA); --micro-batch-tokens then counts real tokens (docs/gpu.md)"""

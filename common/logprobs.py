@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from common.args import SharedArgs
 
-KERNELS = ("torch", "triton", "triton-fused")
+KERNELS = ("auto", "torch", "triton", "triton-fused")
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,20 @@ def _check_kernel(kernel: str) -> None:
             ) from e
 
 
+def resolve_kernel(kernel: str, hidden: Tensor, transform: LogitTransform) -> str:
+    """ "auto": "triton" for CUDA tensors in half precision or fp32 under a plain output layer (no logit scale or soft
+    cap) when triton is installed, else "torch". Any other kernel is itself."""
+    if kernel != "auto":
+        return kernel
+    if not hidden.is_cuda or hidden.dtype == torch.float64 or transform != LogitTransform():
+        return "torch"
+    try:
+        import common.triton_logprobs  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """log softmax(f(h W^T) / T)[target] and its entropy, chunk by chunk over rows (see module docstring)."""
 
@@ -226,12 +240,14 @@ def chunked_logprobs(
     hidden: [..., H]; weight: [V, H] (a bias-free output layer); targets: [...] token ids.
     Returns (logps, entropy), both fp32 (fp64 for fp64 inputs) of shape [...]; only logps carries a gradient.
     kernel: "torch" (chunked matmul + log-softmax), "triton" (chunked cuBLAS matmuls, Triton's softmax and
-    d logits; CUDA tensors, identity transform only) or "triton-fused" (the output layer fused into a Triton
-    forward; the torch path's backward). Every backward recomputes the logits, `chunk_size` rows at a time.
+    d logits; CUDA tensors, identity transform only), "triton-fused" (the output layer fused into a Triton
+    forward; the torch path's backward) or "auto" (`resolve_kernel`: triton where it can run, else torch). Every
+    backward recomputes the logits, `chunk_size` rows at a time.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     _check_kernel(kernel)
+    kernel = resolve_kernel(kernel, hidden, transform)
     if kernel != "torch" and transform != LogitTransform():
         raise ValueError(f"kernel={kernel!r} has no logit scale or soft cap ({transform}): use kernel='torch'")
     shape = targets.shape

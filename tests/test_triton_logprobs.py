@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -235,6 +236,26 @@ def test_kernel_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "common.triton_logprobs", None)  # as if triton were not installed
     with pytest.raises(ImportError, match="kernel='triton' needs the triton package"):
         chunked_logprobs(h, w, t, kernel="triton")
+
+
+def test_auto_kernel_is_triton_where_it_can_run(monkeypatch):
+    """--logprob-kernel auto (the scripts' default): triton for CUDA tensors in half precision or fp32 under a plain
+    output layer with triton installed; torch otherwise, bit for bit the torch path on a CPU."""
+    from common.logprobs import LogitTransform, resolve_kernel
+
+    plain, capped = LogitTransform(), LogitTransform(softcap=30.0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert resolve_kernel("auto", SimpleNamespace(is_cuda=True, dtype=dtype), plain) == "triton"
+    assert resolve_kernel("auto", SimpleNamespace(is_cuda=True, dtype=torch.float64), plain) == "torch"
+    assert resolve_kernel("auto", SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), capped) == "torch"
+    assert resolve_kernel("auto", SimpleNamespace(is_cuda=False, dtype=torch.bfloat16), plain) == "torch"
+    assert resolve_kernel("triton-fused", SimpleNamespace(is_cuda=False, dtype=torch.float64), capped) == "triton-fused"
+    h, w, t = inputs(torch.float32, seed=8)
+    if DEVICE == "cpu":
+        for a, b in zip(chunked_logprobs(h, w, t, 0.7, kernel="auto"), chunked_logprobs(h, w, t, 0.7)):
+            assert torch.equal(a, b)
+    monkeypatch.setitem(sys.modules, "common.triton_logprobs", None)  # as if triton were not installed
+    assert resolve_kernel("auto", SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), plain) == "torch"
 
 
 @pytest.mark.gpu
