@@ -92,6 +92,21 @@ def _logprobs_fwd_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
+def _launch_checks(x: Tensor, kernel) -> None:
+    """Refuses, in one line, what `kernel` cannot run on `x`: a CPU tensor outside Triton's interpreter, bf16 inside it
+    (it multiplies bf16 tiles as raw integers), fp64 compiled for CUDA."""
+    interpreted = not isinstance(kernel, triton.runtime.JITFunction)
+    if x.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"the Triton log-prob kernels need CUDA tensors, got {x.device}; on a CPU use kernel='torch' "
+            "(or set TRITON_INTERPRET=1 before importing triton, for tests)"
+        )
+    if interpreted and x.dtype == torch.bfloat16:
+        raise NotImplementedError("triton's interpreter has no bf16 arithmetic; test in fp16, fp32 or fp64")
+    if not interpreted and x.dtype == torch.float64:
+        raise NotImplementedError("the Triton log-prob kernels do not compile for fp64 on CUDA; use kernel='torch'")
+
+
 def fused_logprobs_forward(
     hidden2d: Tensor,
     weight: Tensor,
@@ -118,19 +133,8 @@ def fused_logprobs_forward(
         )
     if hidden2d.dtype != weight.dtype:
         raise ValueError(f"hidden and weight dtypes differ: {hidden2d.dtype} vs {weight.dtype}")
-    interpreted = not isinstance(_logprobs_fwd_kernel, triton.runtime.JITFunction)
-    if hidden2d.device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"the Triton log-prob kernel needs CUDA tensors, got {hidden2d.device}; on a CPU use kernel='torch' "
-            "(or set TRITON_INTERPRET=1 before importing triton, for tests)"
-        )
-    if interpreted and hidden2d.dtype == torch.bfloat16:
-        raise NotImplementedError("triton's interpreter multiplies bf16 tiles as raw integers; test in fp32/fp64")
-    if not interpreted and hidden2d.dtype == torch.float64:
-        raise NotImplementedError(
-            "the Triton log-prob kernel does not compile for fp64 on CUDA (a CompilationError at its tl.dot, seen "
-            "with Triton 3.6 on an H100); use kernel='torch' for fp64"
-        )
+    # fp64: a CompilationError at its tl.dot, seen with Triton 3.6 on an H100
+    _launch_checks(hidden2d, _logprobs_fwd_kernel)
     n, h = hidden2d.shape
     acc = torch.promote_types(hidden2d.dtype, torch.float32)
     logps, entropy, lse = (torch.empty(n, dtype=acc, device=hidden2d.device) for _ in range(3))
@@ -196,21 +200,9 @@ def _softmax_grad_kernel(
     tl.store(ptrs, d.to(z_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_checks(logits: Tensor, *kernels) -> bool:
-    """Refuses what the kernels cannot run; True when they run in Triton's interpreter."""
-    interpreted = not all(isinstance(k, triton.runtime.JITFunction) for k in kernels)
-    if logits.device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"the Triton log-prob kernels need CUDA tensors, got {logits.device}; on a CPU use kernel='torch' "
-            "(or set TRITON_INTERPRET=1 before importing triton, for tests)"
-        )
-    if interpreted and logits.dtype == torch.bfloat16:
-        raise NotImplementedError("triton's interpreter has no bf16 arithmetic; test in fp16, fp32 or fp64")
-    if not interpreted and logits.dtype == torch.float64:
-        raise NotImplementedError("the Triton log-prob kernels are not compiled for fp64; use kernel='torch'")
+def _check_logits(logits: Tensor) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"expected logits [N, V] with contiguous rows, got shape {tuple(logits.shape)}")
-    return interpreted
 
 
 def _block(vocab: int) -> int:
@@ -230,6 +222,7 @@ def softmax_stats(
     logp of `targets` ([N]), entropy and logsumexp, written into `logps`, `entropy`, `lse` ([N] each, contiguous,
     fp32 or fp64: the arithmetic's dtype). block_v: the vocabulary tile (a power of two; default up to 4096)."""
     _launch_checks(logits, _softmax_stats_kernel)
+    _check_logits(logits)
     n, vocab = logits.shape
     if n == 0:
         return
@@ -246,6 +239,7 @@ def softmax_grad_(
     `logits` ([N, V], its own dtype) and returned; lse, grad_logps ([N]) and temperature (1 element) in the
     arithmetic's dtype (fp32, or fp64)."""
     _launch_checks(logits, _softmax_grad_kernel)
+    _check_logits(logits)
     n, vocab = logits.shape
     if n == 0:
         return logits

@@ -262,8 +262,11 @@ def test_auto_kernel_is_triton_where_it_can_run(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp64_on_cuda_is_refused():
     h, w, t = inputs(torch.float64)
-    with pytest.raises(NotImplementedError, match="does not compile for fp64 on CUDA"):
+    with pytest.raises(NotImplementedError, match="do not compile for fp64 on CUDA"):
         triton_logprobs.fused_logprobs_forward(h, w, t, 1.0)
+    out = [torch.empty(N, dtype=torch.float64, device=DEVICE) for _ in range(4)]
+    with pytest.raises(NotImplementedError, match="do not compile for fp64 on CUDA"):
+        triton_logprobs.softmax_stats(h @ w.T, t, *out)
 
 
 @pytest.mark.gpu
