@@ -139,8 +139,8 @@ def _check_kernel(kernel: str) -> None:
 
 
 def resolve_kernel(kernel: str, hidden: Tensor, transform: LogitTransform) -> str:
-    """ "auto": "triton" for CUDA tensors in half precision or fp32 under a plain output layer (no logit scale or soft
-    cap) when triton is installed, else "torch". Any other kernel is itself."""
+    """The kernel that `kernel` names for these inputs: "auto" is "triton" for CUDA tensors in half precision or fp32
+    under a plain output layer (no logit scale or soft cap) with triton installed, else "torch"; any other is itself."""
     if kernel != "auto":
         return kernel
     if not hidden.is_cuda or hidden.dtype == torch.float64 or transform != LogitTransform():

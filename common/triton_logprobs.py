@@ -235,9 +235,9 @@ def softmax_stats(
 def softmax_grad_(
     logits: Tensor, targets: Tensor, lse: Tensor, grad_logps: Tensor, temperature: Tensor, block_v: int | None = None
 ) -> Tensor:
-    """d(sum g * logp_target) / d(logits * T), i.e. g (onehot(target) - softmax(logits / T)) / T per row, written over
-    `logits` ([N, V], its own dtype) and returned; lse, grad_logps ([N]) and temperature (1 element) in the
-    arithmetic's dtype (fp32, or fp64)."""
+    """d(sum_rows g * logp_target) / d logits with logp = log_softmax(logits / T), i.e. per row
+    g (onehot(target) - softmax(logits / T)) / T, written over `logits` ([N, V], its own dtype) and returned; lse (of
+    logits / T), grad_logps ([N]) and temperature (1 element) in the arithmetic's dtype (fp32, or fp64)."""
     _launch_checks(logits, _softmax_grad_kernel)
     _check_logits(logits)
     n, vocab = logits.shape
