@@ -318,7 +318,11 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         times.append(time.perf_counter() - start)
         norms.append(float(norm))
     split.active = True  # one more update, timed phase by phase
+    split.sync()
+    start = time.perf_counter()
     update()
+    split.sync()
+    split_update_s = time.perf_counter() - start
     split.active = False
     if profile:  # one more update under torch's profiler: its kernels by total device time
         from torch.profiler import ProfilerActivity
@@ -351,6 +355,7 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_before_update_mib": rss_before,
         "split_s": split.times,
+        "split_update_s": split_update_s,  # the wall time of the update the split comes from
         "setup_s": setup_s,
         "warmup_s": warmup_s,
         "loss": float(loss),

@@ -27,7 +27,9 @@ def test_tiny_shape_reports_every_field_and_both_sides_compute_the_same_update(t
         assert r["mfu"] is None and r["peak_gib"] is None and r["peak_rss_mib"] > 0  # a CPU: no peak FLOP/s, no CUDA
         split = r["split_s"]
         assert set(split) == {"decoder_fwd", "logprob_fwd", "logprob_bwd", "decoder_bwd", "optimizer"}
-        assert all(t > 0 for t in split.values()) and sum(split.values()) <= r["update_s"] * 1.01
+        # The phases are disjoint intervals of one more update: they sum to at most its own wall time (a bound that
+        # does not depend on how busy the machine is, unlike the timed updates' median).
+        assert all(t > 0 for t in split.values()) and sum(split.values()) <= r["split_update_s"]
     # Same model, batch and GRPO loss (old = current log-probs: -mean advantage, aggregated per sequence then over
     # sequences, TRL's over 4 accumulated micro-batches): equal to fp32 rounding. The gradient norm checks the
     # log-prob paths: a sum over ~1e5 squared fp32 entries, each ~10 fp32 sums deep (bound ~1e-5 relative).
