@@ -49,17 +49,10 @@ from common.batching import grad_normalizers, make_batch, micro_batch, micro_bat
 from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
+from common.models import load_model, load_reference, prepare_training
 from common.reward import score
-from common.run import (
-    load_model,
-    load_reference,
-    load_sampler,
-    open_run,
-    prepare_training,
-    resume,
-    save_checkpoint,
-    start,
-)
+from common.run import open_run, resume, save_checkpoint
+from common.setup import load_sampler, start
 
 
 @dataclass
@@ -257,7 +250,8 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
         pad_id = tokenizer.pad_token_id
-        batch = make_batch(groups.prompts, groups.completions, advantages, pad_id, device)
+        batch = make_batch(groups.prompts, groups.completions, pad_id, device)
+        batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
@@ -267,8 +261,9 @@ def main(args: Args) -> None:
         )
         with torch.no_grad():
             if recompute and has_signal:
-                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
-            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
+                old_logps = compute_logps(policy, batch, args.temperature, plan)
+                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")

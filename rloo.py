@@ -52,17 +52,10 @@ from common.batching import grad_normalizers, make_batch, micro_batch, micro_bat
 from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
+from common.models import load_model, load_reference, prepare_training
 from common.reward import score
-from common.run import (
-    load_model,
-    load_reference,
-    load_sampler,
-    open_run,
-    prepare_training,
-    resume,
-    save_checkpoint,
-    start,
-)
+from common.run import open_run, resume, save_checkpoint
+from common.setup import load_sampler, start
 
 
 @dataclass
@@ -256,8 +249,7 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
         pad_id = tokenizer.pad_token_id
-        # the rewards hold the advantages' place until the log-probs are in
-        batch = make_batch(groups.prompts, groups.completions, trained_rewards, pad_id, device)
+        batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
         # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
         recompute = (
@@ -274,9 +266,11 @@ def main(args: Args) -> None:
             shaped = kl_shaped_rewards(
                 trained_rewards, batch["mask"], batch.get("old_logps"), batch.get("ref_logps"), args
             )
-            batch["advantages"] = compute_advantages(shaped, args)
-            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
-        any_signal = (batch["advantages"] != 0).any().float().reshape(1)
+            advantages = compute_advantages(shaped, args)
+            batch["advantages"] = advantages
+            if recompute:  # DATA: --replay's rows take their stored log-probs, and are stored
+                batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
+        any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         timer.lap("old_logprobs")
 

@@ -65,16 +65,10 @@ from common.critic import (
 from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
+from common.models import load_model, prepare_training
 from common.reward import score
-from common.run import (
-    load_model,
-    load_sampler,
-    open_run,
-    prepare_training,
-    resume,
-    save_checkpoint,
-    start,
-)
+from common.run import open_run, resume, save_checkpoint
+from common.setup import load_sampler, start
 
 
 @dataclass
@@ -398,7 +392,9 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
         pad_id = tokenizer.pad_token_id
-        batch = make_batch(groups.prompts, groups.completions, trained_rewards, pad_id, device)
+        # ALGO LOGIC: the critic's values, its targets and the advantages are per token
+        token_fields = ["old_values", "returns", "advantages"]
+        batch = make_batch(groups.prompts, groups.completions, pad_id, device, token_fields)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
         with torch.no_grad():  # ALGO LOGIC: V(s_t) once per rollout, then GAE: advantages [N, C]
             batch["old_values"] = compute_values(critic, batch, plan)
@@ -420,8 +416,9 @@ def main(args: Args) -> None:
         )
         with torch.no_grad():
             if recompute and has_signal:
-                batch["old_logps"] = compute_logps(policy, batch, args.temperature, plan)
-            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
+                old_logps = compute_logps(policy, batch, args.temperature, plan)
+                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
         timer.lap("old_logprobs")
 
         # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
@@ -457,14 +454,14 @@ def main(args: Args) -> None:
         if stopping or (
             args.save_every > 0 and (step + 1) % args.save_every == 0 and not last_step
         ):
-            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1)
+            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1, critic)
         if stopping:
             accelerator.print(
                 f"stopped by signal after step {step + 1}; resume: --resume {run.dir}"
             )
             return run.close(sampler)
 
-    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps)
+    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps, critic)
     accelerator.print(f"done: {run.dir}")
     run.close(sampler)
 

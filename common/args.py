@@ -4,7 +4,7 @@ docstrings below as the help; docs/flags.md lists them (tools/flags_doc.py). The
 (DeepSeekMath §4.2, grpo.py); each script overrides, with its source, those its paper changes.
 
 The "auto" modes (--sampler, --reward-format, --rollout-correction, --mixed-precision) are decided by
-`common.run.start`, which returns a resolved copy; `requested` keeps what the command line asked for, and args.json
+`common.setup.start`, which returns a resolved copy; `requested` keeps what the command line asked for, and args.json
 records both.
 """
 

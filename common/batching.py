@@ -21,18 +21,19 @@ from torch import Tensor
 
 from common.args import SharedArgs
 
-# the per-row tensors of a batch that hold one value per completion token ([N, C]); micro_batch cuts their padding
-TOKEN_KEYS = ("mask", "old_logps", "ref_logps", "sampler_logps")
+# the per-token fields ([N, C]) of every batch; a script declares its own in make_batch (docs/design.md "The batch")
+TOKEN_FIELDS = ("mask", "sampler_logps", "old_logps", "ref_logps")
 
 
-def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id: int, device) -> dict:
+def make_batch(prompts: list[list[int]], completions, pad_id: int, device, token_fields=()) -> dict:
     """The training batch of a rollout: `ids` and `attn` [N, P + C] with left-padded prompts and right-padded
-    completions, the completion `mask` [N, C], the prompt width `p_len`, `advantages` [N], `lens` ((prompt,
-    completion) lengths per row, host-side) and, when the sampler gave log-probs, `sampler_logps` [N, C] (NaN rows for
-    completions it did not sample this step). prompts: one per group; completions: common.sampling.Completion,
-    groups of len(completions) // len(prompts) contiguous. With the tool, a completion's own mask (0 on the tool's
-    output tokens) is folded into `mask`: those tokens stay in `ids` and `attn` (the model reads them) but are out of
-    the loss, the log-prob canary, the rollout correction and the entropy, which all read `mask`."""
+    completions, the completion `mask` [N, C], the prompt width `p_len`, `lens` ((prompt, completion) lengths per row,
+    host-side), `token_fields` (TOKEN_FIELDS and the script's `token_fields`: the fields micro_batch cuts as the mask)
+    and, when the sampler gave log-probs, `sampler_logps` [N, C] (NaN rows for completions it did not sample this
+    step). prompts: one per group; completions: common.sampling.Completion, groups of len(completions) // len(prompts)
+    contiguous. With the tool, a completion's own mask (0 on the tool's output tokens) is folded into `mask`: those
+    tokens stay in `ids` and `attn` (the model reads them) but are out of the loss, the log-prob canary, the rollout
+    correction and the entropy, which all read `mask`. The script adds its advantages (and any field of its own)."""
     group_size = len(completions) // len(prompts)
     rows = [p for p in prompts for _ in range(group_size)]
     p_len = max(len(p) for p in rows)
@@ -52,8 +53,8 @@ def make_batch(prompts: list[list[int]], completions, advantages: Tensor, pad_id
         "attn": attn.to(device),
         "mask": mask.to(device),
         "p_len": p_len,
-        "advantages": advantages,
         "lens": [(len(p), len(c.token_ids)) for p, c in zip(rows, completions)],
+        "token_fields": frozenset(TOKEN_FIELDS + tuple(token_fields)),
     }
     if any(c.logprobs is not None for c in completions):  # the canary and the rollout correction read them
         batch["sampler_logps"] = pad_logprobs([c.logprobs for c in completions], c_len).to(device)
@@ -91,19 +92,24 @@ def micro_batches(rows: list[int], lens: list[tuple[int, int]], args: SharedArgs
 
 def micro_batch(batch: dict, rows: list[int], p_w: int, c_w: int) -> dict:
     """Rows `rows` of the batch, with the padding beyond the widths removed: input columns [p_len - p_w, p_len + c_w)
-    and completion columns [0, c_w), so its `p_len` is p_w. Also holds `rows` as an index tensor, and any other
-    per-row tensor of the batch (e.g. DARO's buckets; one shaped like the completion mask, such as a per-token
-    selection, is cut like it)."""
+    and the per-token fields' (`batch["token_fields"]`, by default TOKEN_FIELDS) completion columns [0, c_w), so its
+    `p_len` is p_w; every other tensor is per row. Also holds `rows` as an index tensor. A field that is neither (a
+    2-D tensor not declared per token, or a declared one not [N, C]) is refused: its rows would be cut wrongly."""
     idx = torch.tensor(rows, device=batch["ids"].device)
-    p_len = batch["p_len"]
+    p_len, width, tokens = batch["p_len"], batch["mask"].shape, batch.get("token_fields", TOKEN_FIELDS)
     out = {"rows": idx, "p_len": p_w}
     for k, v in batch.items():
-        if k in TOKEN_KEYS or (isinstance(v, Tensor) and k not in ("ids", "attn") and v.shape == batch["mask"].shape):
-            out[k] = v[idx, :c_w]
-        elif k in ("ids", "attn"):
+        if k in ("ids", "attn"):
             out[k] = v[idx, p_len - p_w : p_len + c_w]
-        elif isinstance(v, Tensor):
+        elif not isinstance(v, Tensor):
+            continue
+        elif k in tokens and v.shape == width:
+            out[k] = v[idx, :c_w]
+        elif k not in tokens and v.dim() == 1:
             out[k] = v[idx]
+        else:
+            kind = "per-token field, not [N, C]" if k in tokens else "2-D field not declared per token (make_batch)"
+            raise ValueError(f"batch[{k!r}] {tuple(v.shape)}: a {kind}")
     return out
 
 

@@ -1,6 +1,6 @@
 """A learned value model (critic) for the scripts that train one (ppo.py, vapo.py): a causal LM's decoder with a
-scalar head, its optimizer and scheduler prepared by accelerate like the policy, its values of a rollout, and its
-backward and gradient norm where accelerate's own calls only know the policy.
+scalar head, its optimizer and scheduler prepared by accelerate like the policy, its values of a rollout, its
+backward and gradient norm where accelerate's own calls only know the policy, and its checkpoint.
 
 Nothing here is specific to one algorithm: GAE, the value loss and every paper choice stay in the scripts.
 
@@ -9,15 +9,19 @@ Nothing here is specific to one algorithm: GAE, the value loss and every paper c
     values = compute_values(critic, batch, plan)           # [N, C], V(s_t) before each completion token
     critic_backward(accelerator, critic, loss, sync)       # in the micro-batch loop
     norm = critic_grad_norm(accelerator, critic, max_norm)  # once per optimizer step
+    save_checkpoint(..., critic=critic)                    # common/run.py: checkpoints/step_k/critic, `save_critic`
 
-The critic is saved and resumed with the run: accelerate's save_state / load_state hold every prepared model,
-optimizer and scheduler in the order they were prepared (the policy's first, then the critic's), so a script that
-prepares the critic right after the policy, in every run, resumes it exactly. No function here reads a tensor
-value on the host.
+A checkpoint's `critic/` is a Hugging Face model: the family's sequence classifier with one label (its decoder, and
+the value head as `score`; LoRA adapters merged), which `--critic-model-name-or-path` loads back and
+`AutoModelForSequenceClassification.from_pretrained` reads (values: `score` on the decoder's hidden states); for a
+family transformers has no such class for, the decoder (`AutoModel`) and `value_head.safetensors`. Resuming uses
+accelerate's state, which holds the critic next to the policy. No function here reads a tensor value on the host.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -79,17 +83,36 @@ class TokenValues(nn.Module):
         return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
+VALUE_HEAD_FILE = "value_head.safetensors"  # the head of a critic saved without a sequence-classifier class
+
+
 def build_critic(path: str, args: CriticArgs) -> TokenValues:
-    """The critic of the checkpoint at `path` (a causal LM: its decoder; the output layer is dropped), fp32 like the
-    policy. With --lora-rank the decoder gets adapters of its own (common.run.add_lora: same rank, alpha, targets)
-    and only those and the head train: LoRA is there to save memory, which a fully trained critic would spend again.
-    --gradient-checkpointing applies to it too."""
-    from transformers import AutoModelForCausalLM
+    """The critic of the checkpoint at `path`, fp32 like the policy: a causal LM's decoder (its output layer dropped)
+    with a zero head, or a critic this module saved (`save_critic`: a sequence classifier with one label, or a decoder
+    and VALUE_HEAD_FILE) with its head. With --lora-rank the decoder gets adapters of its own
+    (common.models.add_lora: same rank, alpha, targets) and only those and the head train: LoRA is there to save
+    memory, which a fully trained critic would spend again. --gradient-checkpointing applies to it too."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from common.run import add_lora
+    from common.models import add_lora
 
+    head = None
     try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        arch = (AutoConfig.from_pretrained(path).architectures or [""])[0]
+        if arch.endswith("ForSequenceClassification"):  # a saved critic (or a reward model) with its head
+            classifier = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+            if classifier.config.num_labels != 1 or getattr(classifier.score, "bias", None) is not None:
+                raise SystemExit(f"--critic-model-name-or-path: {path!r} is not a one-label classifier without bias")
+            lm, head = classifier, classifier.score.weight.detach()
+        elif os.path.exists(os.path.join(path, VALUE_HEAD_FILE)):
+            from safetensors.torch import load_file
+
+            lm = AutoModel.from_pretrained(path, dtype=torch.float32)
+            head = load_file(os.path.join(path, VALUE_HEAD_FILE))["weight"]
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except SystemExit:
+        raise
     except Exception as e:  # noqa: BLE001
         first = (str(e).splitlines() or [""])[0]
         raise SystemExit(f"--critic-model-name-or-path: cannot load {path!r}: {type(e).__name__}: {first}") from None
@@ -99,25 +122,62 @@ def build_critic(path: str, args: CriticArgs) -> TokenValues:
     if args.lora_rank > 0:
         lm = add_lora(lm, args)
     config = getattr(lm.config, "text_config", None) or lm.config
-    return TokenValues(lm.get_decoder(), config.hidden_size)
+    critic = TokenValues(lm.get_decoder() if hasattr(lm, "get_decoder") else lm, config.hidden_size)
+    if head is not None:
+        with torch.no_grad():
+            critic.value_head.weight.copy_(head)
+    return critic
+
+
+def save_critic(accelerator, critic, path: str) -> None:
+    """Writes the prepared `critic` to `path` as a Hugging Face model (the module docstring says which). Every rank
+    calls it (gathering sharded weights is collective); the main process writes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    from common.sampling import iter_weight_buckets
+
+    weights = accelerator.get_state_dict(critic)  # full weights on the main process under FSDP / ZeRO-3
+    if not accelerator.is_main_process:
+        return
+    values = accelerator.unwrap_model(critic)
+    decoder = {k.removeprefix("backbone."): v for k, v in weights.items() if k.startswith("backbone.")}
+    if any(".lora_" in k for k in decoder):  # LoRA (one process or DDP): the decoder with its adapters merged
+        decoder = {name: t for bucket in iter_weight_buckets(values.backbone) for name, t in bucket}
+    config = copy.deepcopy(values.backbone.config)
+    config.use_cache = True
+    classifier = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    if classifier is None:
+        from safetensors.torch import save_file
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        config.architectures = [MODEL_MAPPING[type(config)].__name__]
+        with torch.device("meta"):
+            model = MODEL_MAPPING[type(config)](config)
+        model.save_pretrained(path, state_dict=decoder)
+        save_file({"weight": weights["value_head.weight"].contiguous()}, os.path.join(path, VALUE_HEAD_FILE))
+        return
+    config.num_labels, config.id2label, config.label2id = 1, {0: "value"}, {"value": 0}
+    config.architectures = [classifier.__name__]
+    with torch.device("meta"):
+        model = classifier(config)
+    state = {f"{model.base_model_prefix}.{k}": v for k, v in decoder.items()}
+    model.save_pretrained(path, state_dict={**state, "score.weight": weights["value_head.weight"]})
 
 
 def load_critic(args: CriticArgs, accelerator):
     """The critic (`build_critic` of --critic-model-name-or-path, else the policy's checkpoint), AdamW at
     --critic-learning-rate with --critic-weight-decay over its trainable parameters and a linear warm-up of
-    --critic-warmup-steps optimizer steps then constant (the policy's schedule), all prepared by accelerate after the
-    policy: DDP, FSDP2 or DeepSpeed as launched. DeepSpeed clips each engine with its config's gradient_clipping,
-    read when the engine is built: --critic-max-grad-norm is set for the critic's."""
+    --critic-warmup-steps optimizer steps then constant (the policy's defaults, common/models.py), all prepared by
+    accelerate after the policy: DDP, FSDP2 or DeepSpeed as launched. DeepSpeed clips each engine with its config's
+    gradient_clipping, read when the engine is built: --critic-max-grad-norm is set for the critic's."""
     from accelerate.utils import DistributedType
+
+    from common.models import adamw, warmup_then_constant
 
     critic = build_critic(args.critic_model_name_or_path or args.model_name_or_path, args)
     trainable = [p for p in critic.parameters() if p.requires_grad]
-    fused = accelerator.device.type == "cuda"  # as the policy's (common/run.py)
-    optimizer = torch.optim.AdamW(
-        trainable, lr=args.critic_learning_rate, weight_decay=args.critic_weight_decay, fused=fused
-    )
-    warmup = args.critic_warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    optimizer = adamw(trainable, args.critic_learning_rate, args.critic_weight_decay)
+    scheduler = warmup_then_constant(optimizer, args.critic_warmup_steps)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.state.deepspeed_plugin.deepspeed_config.update(gradient_clipping=args.critic_max_grad_norm)
     return accelerator.prepare(critic, optimizer, scheduler)

@@ -269,11 +269,12 @@ class TrainData:
         self.tracker.update(all_rows, all_correct, self.args.group_size, self.args.tracker_half_life)
         return groups
 
-    def update_replay(self, groups: TrainGroups, batch: dict) -> None:
-        """--replay, after the old log-probs: replayed rows take their stored ones, high-value groups are stored
-        (common.data_strategies.update_replay)."""
-        if self.args.replay and "old_logps" in batch:
-            update_replay(self.buffer, groups, batch, self.args.group_size)
+    def update_replay(self, groups: TrainGroups, old_logps: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """The old log-probs [N, C] the step trains against: with --replay, the replayed rows' stored ones, and this
+        step's high-value groups stored (common.data_strategies.update_replay); otherwise `old_logps` as they are."""
+        if not self.args.replay:
+            return old_logps
+        return update_replay(self.buffer, groups, old_logps, advantages, self.args.group_size)
 
     def demo(self, row: int) -> Demonstration | None:
         """The row's demonstration: the first candidate that fits in --max-new-tokens (EOS included) and that the

@@ -8,7 +8,7 @@ measurements are in docs/data_strategies.md.
   chance that its group has a signal; curriculum also by a Gaussian around a target going from 1 to
   --curriculum-min-target; a share --uniform-floor is uniform, and a step never draws a prompt twice.
 - `inject_and_replay` (before the batch is built): --gt-injection and --replay; `update_replay` (after the old
-  log-probs): replayed rows take their stored log-probs, and new high-value groups are stored.
+  log-probs): returns them with the replayed rows' stored ones, and stores new high-value groups.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from common.args import SharedArgs
 from common.sampling import Completion
@@ -232,22 +233,24 @@ def inject_and_replay(
     return out
 
 
-def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_size: int) -> None:
-    """After the old log-probs are computed: replayed rows take their stored log-probs (the ratio is then against
-    the policy that generated them), raised where needed so that a row with A < 0 (with per-token advantages, a
-    token with A < 0) starts the step with ratio at most REPLAY_RATIO_CAP (dual-clip's bound: PPO's clip leaves r A
-    unbounded below for A < 0, and a stale token can have a huge ratio). This step's high-value groups enter the
-    buffer with their log-probs and step: a hard prompt solved (estimate < REPLAY_HARD), an easy prompt failed
-    (estimate > REPLAY_EASY), or an injected group; only groups with signal (0 < #correct < G). The batch's rows
-    must be the groups' completions, in order."""
-    old, g = batch["old_logps"], group_size
+def update_replay(
+    buffer: ReplayBuffer, groups: TrainGroups, old_logps: Tensor, advantages: Tensor, group_size: int
+) -> Tensor:
+    """After the old log-probs are computed: returns them with the replayed rows' replaced by their stored ones (the
+    ratio is then against the policy that generated them), raised where needed so that a row with A < 0 (with
+    per-token advantages, a token with A < 0) starts the step with ratio at most REPLAY_RATIO_CAP (dual-clip's bound:
+    PPO's clip leaves r A unbounded below for A < 0, and a stale token can have a huge ratio); `old_logps` itself is
+    not modified. This step's high-value groups enter the buffer with their log-probs (the returned ones) and step:
+    a hard prompt solved (estimate < REPLAY_HARD), an easy prompt failed (estimate > REPLAY_EASY), or an injected
+    group; only groups with signal (0 < #correct < G). old_logps [N, C] and advantages ([N], or [N, C] per token)
+    are the batch's, whose rows are the groups' completions, in order."""
+    old, g = old_logps.clone(), group_size
     for r, lp in groups.stored_logps.items():
         stored = torch.tensor(lp, dtype=old.dtype, device=old.device)
-        adv = batch["advantages"][r]  # one per row, or one per token (reinforce_pp.py's [N, T])
+        adv = advantages[r]  # one per row, or one per token (reinforce_pp.py's [N, T])
         negative = adv[: len(lp)] < 0 if adv.dim() else adv < 0
-        floor = old[r, : len(lp)] - math.log(REPLAY_RATIO_CAP)  # pi / pi_old <= cap, pi the policy now
-        stored = torch.where(negative, torch.maximum(stored, floor), stored)
-        old[r, : len(lp)] = stored
+        floor = old_logps[r, : len(lp)] - math.log(REPLAY_RATIO_CAP)  # pi / pi_old <= cap, pi the policy now
+        old[r, : len(lp)] = torch.where(negative, torch.maximum(stored, floor), stored)
     for k, prompt in enumerate(groups.prompts):
         c = groups.correct[k * g : (k + 1) * g]
         hard, easy = groups.pass_rate[k] < REPLAY_HARD, groups.pass_rate[k] > REPLAY_EASY
@@ -266,3 +269,4 @@ def update_replay(buffer: ReplayBuffer, groups: TrainGroups, batch: dict, group_
             if any(x.mask is not None for x in comps):  # the tool's: its output tokens stay out of the loss
                 stored["masks"] = [x.mask for x in comps]
             buffer.push(stored)
+    return old

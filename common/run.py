@@ -1,19 +1,12 @@
-"""Run mechanics shared by every script (docs/design.md "Reliability"): the setup calls a script's main() makes, in
-order, and what a run does around its loop.
+"""The run directory and what a run does around its loop (docs/design.md "Reliability"): `open_run` creates the
+directory with args.json and TensorBoard, `Run.log` writes each step's metrics, `save_checkpoint` writes every model
+the run trains as a Hugging Face checkpoint beside accelerate's state, `resume` restores the last checkpoint,
+`close_run` ends the run without a traceback; also Weights & Biases tracking.
 
-    args, accelerator = start(args)               # "auto" modes resolved into a copy; flags checked; Accelerator
-    tokenizer, model = load_model(args)           # the policy, or one line naming --model-name-or-path
-    data, eval_sets = load_data(args, ...)        # common/data.py
     run = open_run(args, accelerator)             # run directory, args.json, TensorBoard, log(), signals
-    policy, optimizer, scheduler = prepare_training(args, model, accelerator)
-    sampler = load_sampler(args, model, tokenizer, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
     ...                                           # the loop: run.log, save_checkpoint
     run.close(sampler)
-
-Everything that can be refused is refused before `open_run` writes anything, in one line (SystemExit) naming the
-flag; each script keeps its own algorithm's checks next to these calls. Also here: GRPO's frozen reference model
-(`load_reference`, for its KL term) and tracking with Weights & Biases.
 """
 
 from __future__ import annotations
@@ -30,239 +23,17 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.args import SharedArgs
-from common.data import check_data_args
-from common.kernels import compile_decoder_layers, padding_free_attention, use_liger_kernels
-from common.logprobs import TokenLogProbs
 from common.metrics import log_samples
-from common.reward import answer_format_for, set_workers
-from common.sampling import iter_weight_buckets, make_sampler, resolve_sampler
-from common.sandbox import require_sandbox
-from common.tool import tool_config
+from common.sampling import iter_weight_buckets
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-
-def check_shared_args(args: SharedArgs) -> None:
-    """Refuses a bad value of a flag every script has, before anything is written."""
-    if args.group_size < 2:
-        raise SystemExit(f"--group-size must be >= 2 for group-relative advantages, got {args.group_size}")
-    if args.max_new_tokens < 1 or args.total_steps < 0 or args.micro_batch_size < 1 or args.prompts_per_step < 1:
-        raise SystemExit("--max-new-tokens, --micro-batch-size and --prompts-per-step must be >= 1, --total-steps >= 0")
-    triton = args.logprob_kernel.startswith("triton")
-    if triton and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit(
-            f"--logprob-kernel {args.logprob_kernel} needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's slow CPU "
-            "interpreter)"
-        )
-    if args.micro_batch_tokens < 0:
-        raise SystemExit(
-            f"--micro-batch-tokens must be >= 0 (0: --micro-batch-size rows), got {args.micro_batch_tokens}"
-        )
-    if args.reward_workers < -1:
-        raise SystemExit(f"--reward-workers must be >= -1 (-1: cores per local rank), got {args.reward_workers}")
-    if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be > 0 for RL sampling, got {args.temperature}")
-    if args.rollout_correction_cap < 1:
-        raise SystemExit(f"--rollout-correction-cap must be >= 1, got {args.rollout_correction_cap}")
-    if args.total_steps == 0 and args.eval_every <= 0:
-        raise SystemExit("--total-steps 0 only evaluates: set --eval-every 1 (and --eval-datasets)")
-    if args.vllm_enable_sleep_mode and (args.sampler != "vllm" or not torch.cuda.is_available()):
-        raise SystemExit(
-            "--vllm-enable-sleep-mode needs the vLLM sampler on a CUDA GPU (vLLM's CPU backend cannot sleep)"
-        )
-    if args.vllm_tensor_parallel_size != 1:
-        raise SystemExit("--vllm-tensor-parallel-size must be 1: each rank samples its own prompts (README, Multi-GPU)")
-    if args.resume and not complete_checkpoints(args.resume):
-        raise SystemExit(f"--resume: {args.resume!r} is not a run directory with a complete checkpoint")
-    if args.off_policy_steps < 0 or args.vllm_server_timeout <= 0:
-        raise SystemExit("--off-policy-steps must be >= 0 (0: synchronous), --vllm-server-timeout > 0")
-    if args.vllm_mode == "server" and args.vllm_enable_sleep_mode:
-        raise SystemExit("--vllm-enable-sleep-mode is for a colocated engine; a server's memory is its own")
-    if args.lora_rank < 0 or args.lora_alpha <= 0 or not 0 <= args.lora_dropout < 1:
-        raise SystemExit("--lora-rank must be >= 0 (0: full fine-tuning), --lora-alpha > 0, --lora-dropout in [0, 1)")
-    if args.lora_sync == "adapter" and (args.lora_rank == 0 or args.sampler != "vllm" or args.vllm_mode != "colocate"):
-        raise SystemExit("--lora-sync adapter needs --lora-rank > 0 and the colocated vLLM engine (--sampler vllm)")
-    if args.tool == "python":
-        tool_config(args)  # a bad --tool-* value: one line
-        require_sandbox(args.tool_sandbox)  # bubblewrap missing or unable to run here: one line
-    check_data_args(args)
-
-
-def check_world(args: SharedArgs, world: int) -> None:
-    """Refuses a step that cannot be split evenly over `world` processes and --num-mini-batches."""
-    if args.prompts_per_step % world:
-        raise SystemExit(
-            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes {world}"
-        )
-    if (args.prompts_per_step // world * args.group_size) % args.num_mini_batches:
-        raise SystemExit(
-            f"--num-mini-batches {args.num_mini_batches} "
-            f"must divide each rank's {args.prompts_per_step // world * args.group_size} completions"
-        )
-
-
-# the flags whose "auto" (or --resume with --total-steps 0) start() decides; args.json keeps both values
-RESOLVED = ("sampler", "reward_format", "rollout_correction", "mixed_precision", "model_name_or_path")
-
-
-def resolve_modes(args: SharedArgs) -> SharedArgs:
-    """A copy of `args` with every "auto" decided, its `requested` holding what the command line asked for where the
-    two differ. With --total-steps 0 and --resume RUN_DIR the model is RUN_DIR's last checkpoint (evaluated in a new
-    run directory; RUN_DIR is not touched)."""
-    if args.vllm_mode == "server" and args.sampler == "hf":
-        raise SystemExit("--vllm-mode server samples with the vLLM server: drop --sampler hf")
-    try:
-        sampler = resolve_sampler("vllm" if args.vllm_mode == "server" else args.sampler)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    correction = args.rollout_correction
-    if correction == "auto":  # HF generate's log-probs are the trainer's own, unless off-policy
-        correction = "none" if sampler == "hf" and not args.off_policy_steps else "token-truncate"
-    mixed = args.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() else "no"
-    model = args.model_name_or_path
-    checkpoints = complete_checkpoints(args.resume) if args.resume else []
-    if checkpoints and args.total_steps == 0:
-        model = os.path.join(checkpoints[-1], "model")
-    resolved = replace(
-        args,
-        sampler=sampler,
-        reward_format=answer_format_for(args.prompt_template, args.reward_format),
-        rollout_correction=correction,
-        mixed_precision=mixed,
-        model_name_or_path=model,
-    )
-    resolved.requested = {k: getattr(args, k) for k in RESOLVED if getattr(args, k) != getattr(resolved, k)}
-    return resolved
-
-
-def start(args: SharedArgs) -> tuple[SharedArgs, Accelerator]:
-    """The flags with their "auto" modes resolved (`resolve_modes`) and checked, and the Accelerator (on a CPU over
-    gloo). The caller's args are left as they were."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, InitProcessGroupKwargs
-
-    args = resolve_modes(args)
-    check_shared_args(args)
-    set_workers(args.reward_workers)
-    # CPU (tests): gloo. accelerate's cpu=True means DDP, so DeepSpeed on CPU takes the launcher path with gloo named.
-    cpu, use_deepspeed = (
-        not torch.cuda.is_available(),
-        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true",
-    )
-    accelerator = Accelerator(
-        cpu=cpu and not use_deepspeed,
-        mixed_precision=args.mixed_precision,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and use_deepspeed else None,
-    )
-    check_world(args, accelerator.num_processes)
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and accelerator.distributed_type.value != "FSDP":
-        raise SystemExit(
-            f"FSDP launch on {accelerator.device.type}: accelerate enables FSDP only on accelerators (on a CPU it "
-            "would silently run DDP); on a CPU use DDP or DeepSpeed ZeRO-3 (docs/gpu.md)"
-        )
-    sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-    if args.tool == "python" and args.sampler == "hf" and sharded:
-        raise SystemExit(
-            f"--tool python with HF generate under {accelerator.distributed_type.value}: the ranks would generate "
-            "different numbers of rounds over sharded weights; use --sampler vllm, or DDP"
-        )
-    if args.lora_rank > 0 and sharded:
-        raise SystemExit(
-            f"--lora-rank under {accelerator.distributed_type.value}: LoRA runs on one process or under DDP "
-            "(configs/ddp.yaml); its optimizer state is small and the base weights are frozen"
-        )
-    if args.lora_rank > 0 and args.learning_rate <= 1e-6:
-        accelerator.print(
-            f"note: --lora-rank {args.lora_rank} at --learning-rate {args.learning_rate:g}, a full fine-tuning rate: "
-            "LoRA learns at ~10x the full fine-tuning rate (docs/lora.md)"
-        )
-    return args, accelerator
-
-
-def load_model(args: SharedArgs):
-    """The tokenizer (left padding, for generation; pad = EOS when it has no pad token) and the policy in fp32 (mixed
-    precision comes from accelerate; with --lora-rank, wrapped in LoRA adapters: `add_lora`), or one line naming
-    --model-name-or-path."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001
-        first = (str(e).splitlines() or [""])[0]
-        raise SystemExit(
-            f"--model-name-or-path: cannot load {args.model_name_or_path!r}: {type(e).__name__}: {first}"
-        ) from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.use_cache = False
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    speed_paths(args, model)
-    max_model_len(args, model)  # refused now, before the run directory is written
-    if args.lora_rank > 0:
-        model = add_lora(model, args)
-    return tokenizer, model
-
-
-def speed_paths(args: SharedArgs, model) -> None:
-    """--padding-free's varlen attention, --liger-kernel, --torch-compile (common/kernels.py), before LoRA and
-    accelerate wrap the model: how it computes, not what."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.padding_free:
-        padding_free_attention(model, device)
-    if args.liger_kernel:
-        use_liger_kernels(model, device)
-    if args.torch_compile:
-        compile_decoder_layers(model)
-
-
-def max_model_len(args: SharedArgs, model) -> int:
-    """The longest sequence a run samples: the longest prompt plus the larger of the training and evaluation budgets;
-    refused in one line beyond the model's positions when sampling with vLLM, which would refuse it."""
-    eval_tokens = args.eval_max_new_tokens if args.eval_every > 0 else 0
-    length = args.max_prompt_tokens + max(args.max_new_tokens, eval_tokens)
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if args.sampler == "vllm" and positions is not None and length > positions:
-        raise SystemExit(
-            f"--max-prompt-tokens + --max-new-tokens (or --eval-max-new-tokens) = {length} "
-            f"exceeds the model's {positions} positions, which vLLM refuses: lower them"
-        )
-    return length
-
-
-def add_lora(model, args: SharedArgs):
-    """The model with LoRA adapters (peft) of rank --lora-rank on --lora-target-modules (all-linear: every linear
-    layer but the output layer, as "LoRA Without Regret" and TRL's recipe), scaled by --lora-alpha / r, with
-    --lora-dropout. Only the adapters train; A is random (seeded by --seed), B = 0, so training starts at the base
-    model."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = args.lora_target_modules
-    config = LoraConfig(
-        task_type="CAUSAL_LM",
-        r=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        target_modules=targets[0] if targets == ["all-linear"] else targets,
-    )
-    torch.manual_seed(args.seed)  # the adapters' initialisation
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as e:
-        first = (str(e).splitlines() or [""])[0]
-        raise SystemExit(f"--lora-target-modules {' '.join(targets)}: {first}") from None
-    return model
 
 
 @dataclass
@@ -369,118 +140,6 @@ def random_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_training(args: SharedArgs, model, accelerator):
-    """The policy (`TokenLogProbs` around the model), AdamW at --learning-rate with --weight-decay, a linear warm-up
-    of --warmup-steps optimizer steps then constant, all prepared by accelerate (DDP, FSDP or DeepSpeed as launched;
-    DeepSpeed's engine clips and steps with our values, not its config's)."""
-    from accelerate.utils import DistributedType
-
-    policy = TokenLogProbs(
-        model, chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free
-    )
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
-    # on CUDA one fused kernel per step, as transformers' default optimizer (adamw_torch_fused)
-    fused = accelerator.device.type == "cuda"
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay, fused=fused)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        accelerator.state.deepspeed_plugin.deepspeed_config.update(
-            train_micro_batch_size_per_gpu=args.micro_batch_size,
-            train_batch_size=args.micro_batch_size * accelerator.num_processes,
-            gradient_accumulation_steps=1,
-            gradient_clipping=args.max_grad_norm,
-        )
-    return accelerator.prepare(policy, optimizer, scheduler)
-
-
-class WithoutAdapters(torch.nn.Module):
-    """The policy with its LoRA adapters switched off, i.e. the base model it started from: a KL term's reference
-    without a second copy of the model (TRL's `disable_adapter()`)."""
-
-    def __init__(self, policy: TokenLogProbs):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, *inputs, **kwargs):
-        with self.policy.lm.disable_adapter():
-            return self.policy(*inputs, **kwargs)
-
-
-def load_reference(args: SharedArgs, accelerator, policy):
-    """The KL term's reference: with --lora-rank the policy without its adapters (`WithoutAdapters`), else a frozen
-    copy of the policy's checkpoint as a TokenLogProbs, on the accelerator's device, or under DeepSpeed ZeRO-3 sharded
-    like the policy (it was loaded partitioned) in an engine without an optimizer."""
-    from accelerate.utils import DistributedType
-    from transformers import AutoModelForCausalLM
-
-    if args.lora_rank > 0:
-        return WithoutAdapters(accelerator.unwrap_model(policy))
-
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    model = model.eval().requires_grad_(False)
-    speed_paths(args, model)
-    kw = dict(chunk_size=args.logprob_chunk_size, kernel=args.logprob_kernel, padding_free=args.padding_free)
-    ref = TokenLogProbs(model, **kw).to(accelerator.device)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        import deepspeed
-
-        ref = deepspeed.initialize(model=ref, config=accelerator.state.deepspeed_plugin.deepspeed_config)[0]
-    return ref
-
-
-def load_sampler(args: SharedArgs, model, tokenizer, accelerator):
-    """The --sampler (common.sampling.make_sampler) for this rank (seed + rank * 100003): vLLM with the --vllm-*
-    settings, room for `max_model_len`, and the template's stop strings. --vllm-mode server: a
-    client of tools/vllm_server.py (common.vllm_server), given the model's weights first (the server may hold
-    another run's). With --tool python the sampler runs the model's programs (common/tool.py)."""
-    from common.data import STOP_STRINGS
-
-    seed, stop = args.seed + accelerator.process_index * 100003, STOP_STRINGS.get(args.prompt_template, [])
-    tool = tool_config(args)
-    if args.vllm_mode == "server":
-        from common.vllm_server import ServerSampler
-
-        host, port, rank, world = (
-            args.vllm_server_host,
-            args.vllm_server_port,
-            accelerator.process_index,
-            accelerator.num_processes,
-        )
-        sampler = ServerSampler(
-            host,
-            port,
-            seed=seed,
-            timeout=args.vllm_server_timeout,
-            stop=stop,
-            rank=rank,
-            world=world,
-            tool=tool,
-            tokenizer=tokenizer,
-        )
-        sampler.update_weights(model)
-        return sampler
-
-    # FSDP2 (`fully_shard`): the prepared policy wrapping `model`, whose own parameters HF generate must gather
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_roots = [m for m in accelerator._models if isinstance(m, FSDPModule)]
-    return make_sampler(
-        args.sampler,
-        model=model,
-        fsdp_root=fsdp_roots[0] if fsdp_roots else None,
-        tokenizer=tokenizer,
-        model_name_or_path=args.model_name_or_path,
-        seed=seed,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        max_model_len=max_model_len(args, model),
-        stop=stop,
-        lora_rank=args.lora_rank if args.lora_sync == "adapter" else 0,
-        tool=tool,
-    )
-
-
 def new_run_dir(args: SharedArgs, broadcast_object_list) -> str:
     """The run directory: --resume's when training on, else <output-dir>/<exp-name>__<seed>__<unix time> with rank
     0's time (it is created later, by rank 0). Refused when it exists already or --output-dir cannot hold it."""
@@ -541,15 +200,23 @@ def resume(args: SharedArgs, run: Run, policy, sampler, data) -> int:
     return state["step"]
 
 
-def save_checkpoint(run: Run, policy, tokenizer, sampler, data, step: int, **extra) -> None:
-    """checkpoints/step_<step>/{model (Hugging Face format; with LoRA the merged weights, and adapter/ in PEFT's
-    format), state (accelerate: model, optimizer, scheduler, RNG and what the script registered), trainer.json (the
-    step, every rank's sampler and replay buffer, the data stream and tracker, and the script's `extra` values)},
-    written to a temporary directory and renamed, so a kill mid-save never leaves a half checkpoint behind; only the
-    --keep-checkpoints newest complete checkpoints are kept. Every rank calls it."""
+def save_checkpoint(run: Run, policy, tokenizer, sampler, data, step: int, critic=None) -> None:
+    """checkpoints/step_<step>/ with every model the run trains, named: model/ (the policy, Hugging Face format; with
+    LoRA the merged weights, and adapter/ in PEFT's format), critic/ (with a `critic`: common.critic.save_critic),
+    state/ (accelerate's: those models in the order they were prepared, their optimizers and schedulers, RNG and
+    what the script registered) and trainer.json (the step, the models' names in state/'s order, every rank's sampler
+    and replay buffer, the data stream and tracker). Written to a temporary directory and renamed, so a kill mid-save
+    never leaves a half checkpoint behind; only the --keep-checkpoints newest complete checkpoints are kept. A model
+    prepared by accelerate but not named here is refused: state/ would hold it unnamed. Every rank calls it."""
     from accelerate.utils import gather_object
 
+    from common.critic import save_critic
+
     accelerator = run.accelerator
+    models = {"policy": policy} | ({"critic": critic} if critic is not None else {})
+    prepared = accelerator._models
+    if len(prepared) != len(models) or any(a is not b for a, b in zip(prepared, models.values())):
+        raise RuntimeError(f"save_checkpoint: {len(prepared)} prepared models, named {list(models)} in that order")
     final = os.path.join(run.dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
@@ -559,6 +226,8 @@ def save_checkpoint(run: Run, policy, tokenizer, sampler, data, step: int, **ext
     samplers = gather_object([sampler.state_dict()])
     ranks = gather_object([data.rank_state()])
     weights = accelerator.get_state_dict(policy)  # full weights on rank 0, gathered under FSDP / ZeRO-3
+    if critic is not None:
+        save_critic(accelerator, critic, os.path.join(tmp, "critic"))
     if accelerator.is_main_process:
         lm = accelerator.unwrap_model(policy).lm
         if hasattr(lm, "peft_config"):  # LoRA: the adapters in PEFT's format, and the merged model
@@ -570,7 +239,8 @@ def save_checkpoint(run: Run, policy, tokenizer, sampler, data, step: int, **ext
             lm.save_pretrained(os.path.join(tmp, "model"), state_dict=lm_weights)
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump({"step": step, "sampler": samplers, **extra, "data": data.state_dict(ranks)}, f)
+            state = {"step": step, "models": list(models), "sampler": samplers, "data": data.state_dict(ranks)}
+            json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in complete_checkpoints(run.dir)[: -run.args.keep_checkpoints]:

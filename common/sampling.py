@@ -188,7 +188,7 @@ def _lora_merged_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """A peft LoRA model's weights as the base model's checkpoint has them, merged: W + (alpha / r) B A for every
     adapted layer (peft's `get_delta_weight`, computed apart: the base weights are never merged in place and
     unmerged, so they cannot drift), under the base names (`base_model.model.` and `.base_layer` stripped, the
-    adapters' own tensors left out). Single process or DDP only (common/run.py refuses LoRA under FSDP / ZeRO-3)."""
+    adapters' own tensors left out). Single process or DDP only (common/setup.py refuses LoRA under FSDP / ZeRO-3)."""
     from peft.tuners.lora import LoraLayer
 
     deltas = {}
@@ -262,7 +262,8 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterat
         ctx = FSDP.summon_full_params(fsdp1, writeback=False, recurse=True)
     with ctx:
         base = unwrap_model(model)
-        peft = hasattr(base, "peft_config")  # LoRA: the merged weights (a fresh tensor per adapted layer)
+        # LoRA (a peft model, or a module holding its layers, as the critic's decoder): the merged weights
+        peft = hasattr(base, "peft_config") or any(hasattr(m, "lora_A") for m in base.modules())
         items = list((_lora_merged_tensors if peft else _named_checkpoint_tensors)(base))
         buckets: list[list[tuple[str, Tensor]]] = []
         size = 0

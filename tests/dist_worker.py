@@ -123,7 +123,7 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
     if fsdp2:  # HF generate on the sharded policy: ranks of different prompt counts and lengths finish together
         from transformers import AutoTokenizer
 
-        from common.run import load_sampler
+        from common.setup import load_sampler
 
         assert accelerator.is_fsdp2 and type(policy).__name__ == "FSDPTokenLogProbs"
         sampler = load_sampler(mod.Args(sampler="hf"), model, AutoTokenizer.from_pretrained(model_dir), accelerator)
@@ -206,7 +206,7 @@ def main() -> None:
     accelerator = Accelerator(
         cpu=not deepspeed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed else None
     )
-    if fsdp2:  # accelerate turns FSDP on for accelerator processes only (common/run.py refuses a CPU launch)
+    if fsdp2:  # accelerate turns FSDP on for accelerator processes only (common/setup.py refuses a CPU launch)
         from accelerate import FullyShardedDataParallelPlugin, PartialState
 
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(

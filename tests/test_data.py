@@ -346,12 +346,11 @@ def test_replay_swaps_a_no_signal_group_for_the_newest_buffered_one_and_its_log_
     assert [c.token_ids for c in train.completions[2:4]] == [[5, 6], [7]] and train.completions[3].truncated
     assert set(train.stored_logps) == {2, 3, 4, 5} and len(data.buffer.groups) == 0
 
-    mask = make_batch(train.prompts, train.completions, torch.zeros(8), 0, "cpu")["mask"]
+    mask = make_batch(train.prompts, train.completions, 0, "cpu")["mask"]
     current = -torch.rand(mask.shape, dtype=torch.float64)  # the policy's log-probs now
     current[3, 0] = current[5, 0] = -0.5  # the stored -2.0 would give these A < 0 tokens a ratio e^1.5 = 4.5 > 3
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
-    batch = {"old_logps": current.clone(), "mask": mask, "advantages": adv}
-    update_replay(data.buffer, train, batch, g)
+    batch = {"old_logps": update_replay(data.buffer, train, current, adv, g)}
     for r in (2, 4):  # both replayed groups carried these log-probs; A > 0 rows take them as they are
         assert batch["old_logps"][r, :2].tolist() == [-0.5, -1.5]
         assert batch["old_logps"][r + 1, 0].item() == pytest.approx(-0.5 - math.log(REPLAY_RATIO_CAP))  # dual-clip cap

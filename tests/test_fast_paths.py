@@ -313,7 +313,7 @@ def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(at
 
 
 def test_padding_free_flag_runs_a_script_with_the_same_updates(toy_assets, tmp_path, monkeypatch):
-    """`--padding-free` reaches the policy and the micro-batch plan (common/run.py): grpo.py with and without it logs
+    """`--padding-free` reaches the policy and the micro-batch plan (common/models.py): grpo.py with and without it logs
     the same losses, gradient norms and log-probs to rounding (fp32, sdpa's packed-sequence mask on a CPU)."""
     import json
     import os

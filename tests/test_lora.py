@@ -17,7 +17,7 @@ import torch
 import grpo
 from common.batching import make_batch
 from common.logprobs import TokenLogProbs, compute_logps
-from common.run import WithoutAdapters, add_lora
+from common.models import WithoutAdapters, add_lora
 from common.sampling import Completion, iter_weight_buckets
 from tests.checks import SingleProcess, launch_cmd
 from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
@@ -37,7 +37,7 @@ def toy_rollout(tokenizer_pad: int = 0):
     g = torch.Generator().manual_seed(0)
     completions = [Completion(torch.randint(3, 60, (k,), generator=g).tolist(), "", False) for k in (3, 5, 2, 4)] * 2
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
-    return make_batch([[5, 6, 7], [8, 9]], completions, advantages, tokenizer_pad, "cpu")
+    return make_batch([[5, 6, 7], [8, 9]], completions, tokenizer_pad, "cpu") | {"advantages": advantages}
 
 
 def base_and_adapters(model):

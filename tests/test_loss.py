@@ -177,3 +177,29 @@ def test_micro_batches_need_the_mini_batch_normalisers(script):
     assert (wrong - whole).abs().max() > 1e-4
     if script == "grpo":  # the batch tells the aggregations apart (unequal lengths)
         assert abs(loss - importlib.import_module("dapo").compute_policy_loss(logps, old, adv, mask, args)[0]) > 1e-3
+
+
+def test_micro_batch_cuts_the_declared_per_token_fields_and_refuses_the_rest():
+    """A batch declares its per-token fields (make_batch's `token_fields`): micro_batch cuts those to the micro-batch's
+    completion width and every other tensor by row, whatever the shapes happen to be; a 2-D field not declared, or a
+    declared one not [N, C], is an error rather than rows cut wrongly."""
+    from common.batching import make_batch, micro_batch
+    from common.sampling import Completion
+
+    completions = [Completion(list(range(3, 3 + k)), "", False) for k in (4, 2, 3, 1)]
+    batch = make_batch([[1, 2], [1]], completions, 0, "cpu", ["advantages"])
+    n, c = batch["mask"].shape
+    batch["advantages"] = torch.arange(n * c, dtype=torch.float64).view(n, c)  # per token: declared
+    batch["bucket"] = torch.arange(n)  # per row
+    mb = micro_batch(batch, [1, 3], batch["p_len"], 2)
+    assert torch.equal(mb["advantages"], batch["advantages"][[1, 3], :2]) and torch.equal(
+        mb["bucket"], torch.tensor([1, 3])
+    )
+    assert torch.equal(mb["mask"], batch["mask"][[1, 3], :2]) and mb["ids"].shape == (2, batch["p_len"] + 2)
+    batch["returns"] = torch.zeros(n, c)  # per token, not declared
+    with pytest.raises(ValueError, match="'returns'.*not declared per token"):
+        micro_batch(batch, [0], batch["p_len"], 2)
+    del batch["returns"]
+    batch["advantages"] = torch.zeros(n)  # declared per token, given per row
+    with pytest.raises(ValueError, match="'advantages'.*not \\[N, C\\]"):
+        micro_batch(batch, [0], batch["p_len"], 2)

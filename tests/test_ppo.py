@@ -6,6 +6,7 @@ values against its backbone's own forward; the critic's update in one or several
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 
@@ -240,10 +241,10 @@ def toy_critic(path, std=0.3):
     return critic, lm
 
 
-def toy_batch(rewards=(1.0, 0.0, 1.0, 0.0, 0.0, 1.0)):
+def toy_batch():
     g = torch.Generator().manual_seed(1)
     completions = [Completion(torch.randint(3, 60, (k,), generator=g).tolist(), "", False) for k in (3, 5, 2, 4, 1, 5)]
-    return make_batch([[5, 6, 7], [8, 9], [10]], completions, torch.tensor(rewards, dtype=F64), 0, "cpu")
+    return make_batch([[5, 6, 7], [8, 9], [10]], completions, 0, "cpu", ["old_values", "returns", "advantages"])
 
 
 def test_critic_values_are_the_head_on_the_hidden_state_before_each_token(toy_assets):
@@ -319,6 +320,73 @@ def test_a_lora_critic_trains_its_adapters_and_head_only(toy_assets):
     assert "value_head.weight" in trainable and trainable - {"value_head.weight"}
     assert all("lora_" in n for n in trainable - {"value_head.weight"})
     assert not any("lm_head" in n for n, _ in critic.named_parameters())  # the output layer is dropped
+
+
+class MainProcess:
+    """The accelerate calls save_critic makes, on one process with an unwrapped critic."""
+
+    is_main_process = True
+
+    def get_state_dict(self, module):
+        return module.state_dict()
+
+    def unwrap_model(self, module):
+        return module
+
+
+def critic_values(critic, batch):
+    with torch.no_grad():
+        return critic(batch["ids"], batch["attn"], batch["p_len"]) * batch["mask"]
+
+
+@pytest.mark.parametrize("family,lora", [("qwen2", 0), ("qwen2", 2), ("cohere", 0)])
+def test_a_saved_critic_loads_back_with_its_values(family, lora, tmp_path):
+    """save_critic writes a Hugging Face model that --critic-model-name-or-path (build_critic) and, where transformers
+    has the family's sequence classifier, AutoModelForSequenceClassification read back with the same values: the
+    head (not the zero a fresh critic starts with), the decoder, LoRA's adapters merged (Cohere has no classifier
+    class: its decoder and value_head.safetensors)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.critic import save_critic
+    from tests.test_families import tiny
+
+    tiny(family).save_pretrained(tmp_path / "base")
+    args = make_args(lora_rank=lora)
+    critic = build_critic(str(tmp_path / "base"), args)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in critic.parameters():  # a trained critic: every weight moved, the adapters' B too
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    save_critic(MainProcess(), critic, str(tmp_path / "critic"))
+    batch = toy_batch()
+    want = critic_values(critic, batch)
+    assert want.abs().sum() > 0
+    back = build_critic(str(tmp_path / "critic"), make_args())
+    torch.testing.assert_close(critic_values(back, batch), want, rtol=1e-5, atol=1e-6)  # merged LoRA: rounding
+    if family == "cohere":
+        assert os.path.exists(tmp_path / "critic" / "value_head.safetensors")
+        return
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "critic")).eval()
+    position_ids = (batch["attn"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hidden = hf.model(input_ids=batch["ids"], attention_mask=batch["attn"], position_ids=position_ids)[0]
+        values = hf.score(hidden[:, batch["p_len"] - 1 : -1]).squeeze(-1) * batch["mask"]
+    torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-6)
+
+
+def test_save_checkpoint_refuses_a_prepared_model_it_is_not_given():
+    """accelerate's state holds every prepared model in order; a script that prepares one more (a critic) and does
+    not pass it would write it there unnamed, and no Hugging Face copy of it."""
+    from types import SimpleNamespace
+
+    from common.run import save_checkpoint
+
+    policy, critic = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    run = SimpleNamespace(accelerator=SimpleNamespace(_models=[policy, critic]))
+    with pytest.raises(RuntimeError, match=r"2 prepared models, named \['policy'\]"):
+        save_checkpoint(run, policy, None, None, None, 1)
+    with pytest.raises(RuntimeError, match="named \\['policy', 'critic'\\]"):
+        save_checkpoint(run, policy, None, None, None, 1, critic=torch.nn.Linear(1, 1))
 
 
 def test_defaults_are_the_papers():
@@ -399,6 +467,10 @@ def test_a_lora_run_trains_the_critics_adapters_and_saves_them(runs):
     critic = load_file(os.path.join(step, "state", "model_1.safetensors"))
     assert "value_head.weight" in critic and any("lora_B" in k for k in critic)
     assert critic["value_head.weight"].abs().sum() > 0
+    with open(os.path.join(step, "trainer.json")) as f:
+        assert json.load(f)["models"] == ["policy", "critic"]  # state/'s model.safetensors, model_1.safetensors
+    saved = load_file(os.path.join(step, "critic", "model.safetensors"))  # a sequence classifier, adapters merged
+    assert torch.equal(saved["score.weight"], critic["value_head.weight"]) and not any("lora" in k for k in saved)
 
 
 @pytest.mark.parametrize(

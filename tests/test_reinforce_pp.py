@@ -245,9 +245,10 @@ def test_replay_caps_the_ratio_of_each_token_with_a_negative_advantage():
         (torch.tensor([0.0, -1.0]), [floor] * 3 + [0.0]),
         (torch.tensor([0.0, 1.0]), [-5.0] * 3 + [0.0]),
     ):
-        batch = {"old_logps": now.clone(), "advantages": adv}
-        update_replay(ReplayBuffer(4), groups, batch, 2)
-        assert batch["old_logps"][1].tolist() == pytest.approx(want)
+        old = now.clone()
+        got = update_replay(ReplayBuffer(4), groups, old, adv, 2)
+        assert got[1].tolist() == pytest.approx(want)
+        assert torch.equal(old, now)  # returned, not written in place
 
 
 def test_defaults_are_the_papers():

@@ -88,7 +88,8 @@ def test_script_fits_the_line_budget(name):
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_main_is_mostly_the_loop(name):
-    """Setup is a few named calls (common/run.py); the loop and what the algorithm changes dominate main()."""
+    """Setup is a few named calls (common/setup.py, models.py, data.py, run.py); the loop and what the algorithm
+    changes dominate main()."""
     main = functions(source(name))["main"]
     loop = next(n for n in ast.walk(main) if isinstance(n, ast.For))
     assert main.end_lineno - main.lineno + 1 <= MAX_MAIN
@@ -137,7 +138,7 @@ def test_diff_against_grpo_shows_the_algorithm():
 def test_args_json_records_requested_and_resolved(tmp_path):
     """start() resolves "auto" into a copy (the caller's args untouched), and records what was asked for."""
     import grpo
-    from common.run import resolve_modes
+    from common.setup import resolve_modes
 
     asked = grpo.Args(sampler="auto", prompt_template="r1")
     got = resolve_modes(asked)

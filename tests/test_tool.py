@@ -199,7 +199,7 @@ def test_sharded_hf_generation_with_the_tool_is_refused(tok_model):
 
 
 def trainer_logps(model, completions, prompt_ids, temperature):
-    batch = make_batch(prompt_ids, completions, torch.zeros(len(completions)), 0, "cpu")
+    batch = make_batch(prompt_ids, completions, 0, "cpu")
     plan = [(list(range(len(completions))), batch["p_len"], batch["mask"].shape[1])]
     with torch.no_grad():
         return batch, compute_logps(TokenLogProbs(model), batch, temperature, plan)
@@ -284,9 +284,8 @@ def test_pending_tool_rollouts_and_the_replay_buffer_survive_a_checkpoint(tok_mo
     buffer = ReplayBuffer(4)
     groups = TrainGroups(prompts(tok)[:2], out, [1.0, 0.0, 1.0, 0.0], [0, 1], [0.1, 0.1], step=0)
     groups.fresh, groups.injected = [True, True], [False, False]
-    batch = make_batch(groups.prompts, out, torch.tensor([1.0, -1.0, 1.0, -1.0]), 0, "cpu")
-    batch["old_logps"] = torch.zeros(batch["mask"].shape)
-    update_replay(buffer, groups, batch, 2)
+    old_logps = torch.zeros(make_batch(groups.prompts, out, 0, "cpu")["mask"].shape)
+    update_replay(buffer, groups, old_logps, torch.tensor([1.0, -1.0, 1.0, -1.0]), 2)
     args = SimpleNamespace(group_size=2, gt_injection=False, replay=True, replay_max_age=5, gt_injection_max_frac=1.0)
     replayed = inject_and_replay(args, buffer, None, [0.1], [0], prompts(tok)[:1], out[:2], [1.0, 1.0], 1)
     assert [c.mask for c in replayed.completions] == [c.mask for c in out[2:4]]  # the newest group, with its masks

@@ -188,8 +188,8 @@ def test_bad_tool_flags_stop_with_one_line(kw, flag, toy_assets, tmp_path):
 def test_without_bubblewrap_a_tool_run_stops_with_one_line(toy_assets, tmp_path, monkeypatch):
     """A PATH without bwrap (util-linux's prlimit and setpriv still there): the line says how to install it and names
     the weaker choice; with --tool-sandbox none, which needs no bubblewrap, the checks pass."""
-    from common.run import check_shared_args, resolve_modes
     from common.sandbox import INSTALL
+    from common.setup import check_shared_args, resolve_modes
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -44,7 +44,7 @@ def main() -> None:
     sampler.calls = 1  # replay the second call: the same seeds
     again = sampler.generate(prompts, 3, 1.0, 1.0, min(budget, 160))
     sampler.close()
-    batch = make_batch(prompts, sampled, torch.zeros(len(sampled)), tok.pad_token_id, "cpu")
+    batch = make_batch(prompts, sampled, tok.pad_token_id, "cpu")
     plan = [(list(range(len(sampled))), batch["p_len"], batch["mask"].shape[1])]
     with torch.no_grad():
         logps = compute_logps(TokenLogProbs(model), batch, 1.0, plan)
