@@ -270,6 +270,53 @@ class SingleProcess:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def assert_refused_in_one_line(mod, toy_assets, out_dir, needle: str, **kw) -> None:
+    """`mod.main` on the toy task with the flags `kw` stops with one line (SystemExit) naming `needle`, before
+    anything is written to `out_dir`."""
+    args = mod.Args(
+        model_name_or_path=toy_assets["model"],
+        dataset_name=toy_assets["train"],
+        prompt_column="question",
+        answer_column="answer",
+        prompt_template="none",
+        max_prompt_tokens=32,
+        sampler="hf",
+        output_dir=str(out_dir),
+        **kw,
+    )
+    try:
+        mod.main(args)
+    except SystemExit as e:
+        msg = e.code
+    else:
+        raise AssertionError(f"{mod.__name__}.main ran with {kw}")
+    assert isinstance(msg, str) and "\n" not in msg.strip() and needle in msg, msg
+    assert not os.path.exists(out_dir)  # nothing written
+
+
+def assert_explicit_rollout_correction_refused(mod, monkeypatch, **kw) -> None:
+    """A script whose ratio is already against the sampler's log-probs (pi / mu: the full importance weight) refuses
+    an explicit --rollout-correction at once, and runs `auto` and `none` with the correction recorded as none (start()
+    would otherwise resolve auto to token-truncate with vLLM). `kw`: other flags of the runs that start."""
+    import pytest
+
+    seen = []
+
+    def fake_start(args):
+        seen.append(args.rollout_correction)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(mod, "start", fake_start)
+    for mode in ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask"):
+        with pytest.raises(SystemExit, match="rollout-correction"):
+            mod.main(mod.Args(rollout_correction=mode))
+    assert seen == []
+    for mode in ("auto", "none"):
+        with pytest.raises(RuntimeError, match="stop"):
+            mod.main(mod.Args(rollout_correction=mode, sampler="vllm", **kw))
+    assert seen == ["none", "none"]
+
+
 def reward_wall_bound(num_items: int, timeout_s: float, num_kills: int) -> float:
     """The longest a common.reward.score call over `num_items` items may take by the pool's own limits, on any
     machine (a bound from the code's contract, not from one machine's speed): the parent kills a worker

@@ -34,7 +34,7 @@ from common.data_strategies import (
     update_replay,
 )
 from common.sampling import Completion
-from tests.checks import launch_cmd
+from tests.checks import assert_refused_in_one_line, launch_cmd
 from tests.test_scripts import ROOT, SCRIPTS, read_metrics, run_script, toy_flags
 
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -660,20 +660,4 @@ def test_profile_takes_the_runs_flags_from_the_scripts(capsys):
 def test_bad_data_strategy_flags_stop_with_one_line_naming_the_flag(script, kw, flag, toy_assets, tmp_path):
     import importlib
 
-    mod = importlib.import_module(script)
-    args = mod.Args(
-        model_name_or_path=toy_assets["model"],
-        dataset_name=toy_assets["train"],
-        prompt_column="question",
-        answer_column="answer",
-        prompt_template="none",
-        max_prompt_tokens=32,
-        sampler="hf",
-        output_dir=str(tmp_path / "out"),
-        **kw,
-    )
-    with pytest.raises(SystemExit) as e:
-        mod.main(args)
-    msg = e.value.code
-    assert isinstance(msg, str) and "\n" not in msg.strip() and flag in msg, msg
-    assert not os.path.exists(tmp_path / "out")  # nothing written
+    assert_refused_in_one_line(importlib.import_module(script), toy_assets, tmp_path / "out", flag, **kw)

@@ -15,7 +15,11 @@ import torch
 
 import dppo
 import dr_grpo
-from tests.checks import assert_loss_matches_reference, assert_micro_batches_add_up
+from tests.checks import (
+    assert_explicit_rollout_correction_refused,
+    assert_loss_matches_reference,
+    assert_micro_batches_add_up,
+)
 from tests.reference import k3
 
 L_MAX = 8  # the generation budget in these tests (longer than any completion below)
@@ -287,23 +291,8 @@ def test_on_policy_gradient_is_dr_grpos(divergence):
 
 
 def test_explicit_rollout_correction_is_refused_before_anything_runs(monkeypatch):
-    """pi/mu already is the full IS weight: an explicit --rollout-correction exits at once; auto and none run with
-    the correction recorded as none (start() would otherwise resolve auto to token-truncate with vLLM)."""
-    seen = []
-
-    def fake_start(args):
-        seen.append(args.rollout_correction)
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(dppo, "start", fake_start)
-    for mode in ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask"):
-        with pytest.raises(SystemExit, match="rollout-correction"):
-            dppo.main(dppo.Args(rollout_correction=mode))
-    assert seen == []
-    for mode in ("auto", "none"):
-        with pytest.raises(RuntimeError, match="stop"):
-            dppo.main(dppo.Args(rollout_correction=mode, sampler="vllm"))
-    assert seen == ["none", "none"]
+    """pi/mu already is the full IS weight (tests.checks)."""
+    assert_explicit_rollout_correction_refused(dppo, monkeypatch)
 
 
 def test_defaults_are_the_papers():

@@ -19,7 +19,7 @@ from common.batching import make_batch
 from common.logprobs import TokenLogProbs, compute_logps
 from common.models import WithoutAdapters, add_lora
 from common.sampling import Completion, iter_weight_buckets
-from tests.checks import SingleProcess, launch_cmd
+from tests.checks import SingleProcess, assert_refused_in_one_line, launch_cmd
 from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
 
 LORA = {"lora-rank": 2, "learning-rate": 2e-2}
@@ -181,22 +181,7 @@ def test_lora_on_two_ddp_processes(toy_assets, tmp_path):
     ],
 )
 def test_bad_lora_flags_stop_with_one_line(kw, needle, toy_assets, tmp_path):
-    args = grpo.Args(
-        model_name_or_path=toy_assets["model"],
-        dataset_name=toy_assets["train"],
-        prompt_column="question",
-        answer_column="answer",
-        prompt_template="none",
-        max_prompt_tokens=32,
-        sampler="hf",
-        output_dir=str(tmp_path / "out"),
-        **kw,
-    )
-    with pytest.raises(SystemExit) as e:
-        grpo.main(args)
-    msg = e.value.code
-    assert isinstance(msg, str) and "\n" not in msg.strip() and needle in msg, msg
-    assert not os.path.exists(tmp_path / "out")
+    assert_refused_in_one_line(grpo, toy_assets, tmp_path / "out", needle, **kw)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from tests.checks import (
     MICRO_CHUNKS,
     SingleProcess,
     TablePolicy,
+    assert_explicit_rollout_correction_refused,
     assert_loss_matches_reference,
     assert_micro_batches_add_up,
     assert_standardised_advantages,
@@ -393,23 +394,8 @@ def test_update_policy_selects_each_mini_batch_on_its_rows_at_its_start(monkeypa
 
 
 def test_explicit_rollout_correction_is_refused_before_anything_runs(monkeypatch):
-    """r = pi/mu already is the full IS weight: an explicit --rollout-correction exits at once; auto and none run
-    with the correction recorded as none."""
-    seen = []
-
-    def fake_start(args):
-        seen.append(args.rollout_correction)
-        raise RuntimeError("stop")
-
-    monkeypatch.setattr(m2po, "start", fake_start)
-    for mode in ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask"):
-        with pytest.raises(SystemExit, match="rollout-correction"):
-            m2po.main(m2po.Args(rollout_correction=mode))
-    assert seen == []
-    for mode in ("auto", "none"):
-        with pytest.raises(RuntimeError, match="stop"):
-            m2po.main(m2po.Args(rollout_correction=mode, sampler="vllm", off_policy_steps=64))
-    assert seen == ["none", "none"]
+    """r = pi/mu already is the full IS weight (tests.checks)."""
+    assert_explicit_rollout_correction_refused(m2po, monkeypatch, off_policy_steps=64)
 
 
 def test_defaults_are_the_papers():

@@ -4,6 +4,7 @@ they share stays identical, so `diff grpo.py X.py` shows the algorithm and nothi
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import os
@@ -180,3 +181,31 @@ def test_the_critic_scripts_share_one_critic_update():
     assert {"ppo", "vapo"} <= set(srcs)
     segments = {ast.get_source_segment(src, functions(src)["update_critic"]) for src in srcs.values()}
     assert len(segments) == 1
+
+
+def code_of(node: ast.AST) -> str:
+    """The node's code without docstrings or comments (what it does, not how it is described)."""
+    node = copy.deepcopy(node)
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        docstring = isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        if docstring and isinstance(body[0].value, ast.Constant):
+            n.body = body[1:] or [ast.Pass()]
+    return ast.unparse(node)
+
+
+def dynamic_sampling(src: str) -> list[str]:
+    """A script's dynamic-sampling rollout: the statements of its training loop from the round counter to the
+    mini-batch count, and the helpers they call."""
+    loop = next(n for n in ast.walk(functions(src)["main"]) if isinstance(n, ast.For))
+    code = [code_of(n) for n in loop.body]
+    first = next(i for i, c in enumerate(code) if c.startswith("share, rounds = "))
+    last = next(i for i, c in enumerate(code) if c.startswith("num_mini_batches = mini_batch_count("))
+    return code[first : last + 1] + [code_of(functions(src)[f]) for f in ("filter_groups", "mini_batch_count")]
+
+
+def test_dapo_and_cispo_share_one_dynamic_sampling_loop():
+    """cispo.py's dynamic sampling is dapo.py's (MiniMax-M1 takes it from DAPO), statement for statement: a fix in
+    one is a fix in both."""
+    dapo, cispo = dynamic_sampling(source("dapo")), dynamic_sampling(source("cispo"))
+    assert len(dapo) > 10 and dapo == cispo
