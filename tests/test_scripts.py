@@ -144,6 +144,52 @@ def test_end_to_end_run_directory(script, end_to_end_runs, request):
 
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_2", "step_3"]
     AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "checkpoints", "step_3", "model"))
+    assert_recorded_metrics(script, rows)
+
+
+# The end-to-end runs' metrics as the scripts logged them before the batch, setup and checkpoint code was reorganised
+# (tests/e2e_metrics.json; bit for bit on the machine that recorded them): a change that should compute nothing new
+# must log the same. Floats are compared to a few ulps of fp32 accumulated over 3 steps, so that another CPU's
+# kernels (other summation orders) pass; a change of a sampled token moves a metric far more. Re-record, after a
+# change that is meant to change what a run computes, with RECORD_E2E_METRICS=1.
+RECORDED = os.path.join(ROOT, "tests", "e2e_metrics.json")
+
+
+def assert_recorded_metrics(script: str, rows: list[dict]) -> None:
+    logged = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    recorded = {}
+    if os.path.exists(RECORDED):
+        with open(RECORDED) as f:
+            recorded = json.load(f)
+    if os.environ.get("RECORD_E2E_METRICS") == "1":
+        with open(RECORDED, "w") as f:
+            json.dump({**recorded, script: logged}, f, indent=0, sort_keys=True)
+        return
+    if script not in recorded:
+        pytest.fail(f"{script}.py has no recorded metrics in {RECORDED}: record them with RECORD_E2E_METRICS=1")
+    for want, got in zip(recorded[script], logged, strict=True):
+        for key, value in want.items():  # keys logged since may be added; none recorded may go
+            assert key in got, (script, want["step"], key)
+            same = value == got[key] or (value != value and got[key] != got[key])  # NaN: no tokens of its kind
+            assert same or got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (script, want["step"], key)
+
+
+def test_the_recorded_metrics_check_sees_a_change():
+    """What assert_recorded_metrics lets through: the recorded values, another CPU's rounding, new keys and NaN where
+    NaN was logged; what it stops: a value off by 1e-4, a recorded key missing, a step missing."""
+    with open(RECORDED) as f:
+        rows = json.load(f)["grpo"]
+    assert_recorded_metrics("grpo", rows)
+    rounded = [{k: v * (1 + 1e-7) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    assert_recorded_metrics("grpo", [r | {"new/key": 1.0} for r in rounded])
+    key = "train/reward_mean"
+    for broken in (
+        [r | {key: r[key] + 1e-4} for r in rows],
+        [{k: v for k, v in r.items() if k != key} for r in rows],
+        rows[:-1],
+    ):
+        with pytest.raises((AssertionError, ValueError)):
+            assert_recorded_metrics("grpo", broken)
 
 
 @pytest.fixture(scope="module")
