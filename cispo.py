@@ -47,7 +47,6 @@ from common.batching import grad_normalizers, make_batch, micro_batch, micro_bat
 from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, gather, step_metrics
-from common.reward import score
 from common.run import (
     load_model,
     load_sampler,
@@ -287,7 +286,7 @@ def main(args: Args) -> None:
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
-            verdicts, info = score([c.text for c in outs], golds, answer_format=args.reward_format)
+            verdicts, info = data.score(outs, golds)  # the verifier, or --env's returns
             timer.lap("reward")
             keep = filter_groups(torch.tensor(verdicts), args.group_size)
             if not args.dynamic_sampling:
