@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -209,8 +210,10 @@ def after_turn(ep: Episode, turn: Turn, obs_ids: list[int], budget: int, env: En
 
 
 def failed_turn(error: BaseException) -> Turn:
-    """The Turn of an environment that raised: the episode ends, reward 0, the error kept (one line)."""
-    first = (str(error).splitlines() or [""])[0][:200]
+    """The Turn of an environment that raised: the episode ends, reward 0, the error kept (one line: its first
+    non-blank line, terminal colours removed)."""
+    lines = [x.strip(" *") for x in re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()]
+    first = next((x for x in lines if x), "")[:200]
     return Turn(done=True, error=f"{type(error).__name__}: {first}")
 
 
@@ -567,7 +570,12 @@ def check_env_args(args: SharedArgs) -> None:
     """One-line SystemExit for bad --env / --env-* values and combinations (before anything is written)."""
     if args.env == "none":
         return
-    env_factory(args.env)
+    make, _ = env_factory(args.env)
+    try:  # one task started: a game that needs what is not here (GEM's word games: NLTK's lists) says so now
+        with EpisodeRandom(0).inside():
+            make().reset(seed=0)
+    except Exception as e:  # noqa: BLE001 - any failure becomes one line
+        raise SystemExit(f"--env {args.env}: cannot start a task here: {failed_turn(e).error}") from None
     if args.tool != "none":
         raise SystemExit("--env and --tool: one environment a run; the Python tool is its own (--tool python)")
     if args.env_max_turns < 1 or args.env_tasks < 1 or args.env_eval_tasks < 1:
