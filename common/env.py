@@ -360,15 +360,16 @@ class ChatFormat:
     prompt. It is read off the template once, by rendering a two-message chat with and without a third message (the
     delta; verl's agent loop and GEM's chat wrapper render the same messages). Without (raw text, --prompt-template
     none): the prompt is the text with the tokenizer's document prefix (common.data.encode_prompt), an observation is
-    its text on lines of its own."""
+    its text on lines of its own. `system`: a system prompt before the first observation (--prompt-template
+    qwen-boxed: Qwen2.5-Math's, "... put your final answer within \\boxed{}", the form GEM's games read)."""
 
-    def __init__(self, tokenizer, chat: bool):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, chat: bool, system: str | None = None):
+        self.tokenizer, self.system = tokenizer, system
         self.lock = threading.Lock()  # a server's rollouts run in threads; fast tokenizers object to sharing
         self.chat = bool(chat and getattr(tokenizer, "chat_template", None))
         if not self.chat:
             return
-        msgs = [{"role": "user", "content": U_MARK}, {"role": "assistant", "content": A_MARK}]
+        msgs = self.messages(U_MARK) + [{"role": "assistant", "content": A_MARK}]
         base = tokenizer.apply_chat_template(msgs, tokenize=False)
         full = tokenizer.apply_chat_template(
             msgs + [{"role": "user", "content": O_MARK}], tokenize=False, add_generation_prompt=True
@@ -387,9 +388,13 @@ class ChatFormat:
             from common.data import encode_prompt  # common.data imports this module
 
             return encode_prompt(text, "none", self.tokenizer)
-        msgs = [{"role": "user", "content": text}]
-        rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(self.messages(text), tokenize=False, add_generation_prompt=True)
         return self.encode(rendered)
+
+    def messages(self, first: str) -> list[dict[str, str]]:
+        """An episode's first messages: the system prompt (if any) and the first observation as the user's."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [{"role": "user", "content": first}]
 
     def observation_text(self, text: str, model_ids: Sequence[int], model_text: str) -> str:
         """The text appended after a model turn (`model_ids`, decoded `model_text`) for an observation `text`."""
@@ -601,7 +606,11 @@ def open_env(args: SharedArgs, tokenizer) -> Env | None:
             return env
     if args.env != "none":
         make, name = env_factory(args.env)
-        env = GymEnv(make, name, ChatFormat(tokenizer, args.prompt_template != "none"), args.env_max_turns)
+        from common.data import SYSTEM_BOXED  # common.data imports this module
+
+        system = SYSTEM_BOXED if args.prompt_template == "qwen-boxed" else None
+        fmt = ChatFormat(tokenizer, args.prompt_template != "none", system)
+        env = GymEnv(make, name, fmt, args.env_max_turns)
     else:
         env = Tool(spec[3], tokenizer)
     _OPEN.append((spec, tokenizer, env))
