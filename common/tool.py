@@ -258,7 +258,6 @@ class Trajectory(Episode):
 
     stats: ToolStats = field(default_factory=ToolStats)
     future: Future | None = None  # the program of the last segment, running
-    early: tuple[str, Future] | None = None  # a program started before its segment was returned (`start`)
 
     def stops(self, stop: list[str], config: ToolConfig) -> list[str]:
         """The stop strings of this trajectory's next request: the template's, and the fence while calls are left."""
@@ -268,14 +267,7 @@ class Trajectory(Episode):
         """Appends a generated segment (cut to `budget` new tokens in all); starts the program it closes, if any."""
         self.__dict__.update(vars(after_segment(self, seg, budget, ToolRules(tool.config))))
         if self.action is not None:
-            self.future = self.early[1] if self.early and self.early[0] == self.action else tool.submit(self.action)
-        self.early = None
-
-    def start(self, token_ids: list[int], text: str, budget: int, tool: Any) -> None:
-        """Starts the program a segment still being generated has just closed; `add` takes it over."""
-        ahead = after_segment(self, Segment(token_ids, None, text, FENCE, False), budget, ToolRules(tool.config))
-        if ahead.action is not None and text.endswith(FENCE) and self.stats.calls < tool.config.max_calls:
-            self.early = (ahead.action, tool.submit(ahead.action))
+            self.future = tool.submit(self.action)
 
     def splice(self, budget: int, tool: Any) -> None:
         """Waits for the pending program and appends its output block (mask 0), cut to the budget."""
