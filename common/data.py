@@ -36,7 +36,7 @@ from common.data_strategies import (
     inject_and_replay,
     update_replay,
 )
-from common.env import EVAL_TASKS, Env, GymEnv, open_env
+from common.env import EVAL_TASKS, Env, GymEnv, failed_turn, open_env
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.tool import Tool, ToolConfig, splice_text
 
@@ -448,7 +448,10 @@ def env_data(args: SharedArgs, tokenizer, env: GymEnv) -> tuple[TrainData | None
     longer than --max-prompt-tokens (a game's rules have no shorter version to drop it for)."""
 
     def prompts_of(seeds: list[int], flag: str) -> tuple[list[list[int]], list[str]]:
-        prompts = [env.format.prompt_ids(env.first_observation(s)) for s in seeds]
+        try:
+            prompts = [env.format.prompt_ids(env.first_observation(s)) for s in seeds]
+        except Exception as e:  # noqa: BLE001 - a task that cannot start: one line
+            raise SystemExit(f"{flag}: {args.env} cannot start its tasks: {failed_turn(e).error}") from None
         if (longest := max(len(p) for p in prompts)) > args.max_prompt_tokens:
             raise SystemExit(f"{flag}: {args.env}'s prompts take up to {longest} tokens, over --max-prompt-tokens")
         return prompts, [str(s) for s in seeds]
