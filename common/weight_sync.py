@@ -139,7 +139,8 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 1 << 30) -> Iterat
         ctx = FSDP.summon_full_params(fsdp1, writeback=False, recurse=True)
     with ctx:
         base = unwrap_model(model)
-        peft = hasattr(base, "peft_config")  # LoRA: the merged weights (a fresh tensor per adapted layer)
+        # LoRA (a peft model, or a module holding its layers, as the critic's decoder): the merged weights
+        peft = hasattr(base, "peft_config") or any(hasattr(m, "lora_A") for m in base.modules())
         items = list((_lora_merged_tensors if peft else _named_checkpoint_tensors)(base))
         buckets: list[list[tuple[str, Tensor]]] = []
         size = 0
