@@ -56,7 +56,6 @@ from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, gather, step_metrics
 from common.models import load_model, prepare_training
-from common.reward import score
 from common.run import open_run, resume, save_checkpoint
 from common.setup import load_sampler, start
 
@@ -290,7 +289,7 @@ def main(args: Args) -> None:
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
-            verdicts, info = score([c.text for c in outs], golds, answer_format=args.reward_format)
+            verdicts, info = data.score(outs, golds)  # the verifier, or --env's returns
             timer.lap("reward")
             keep = filter_groups(torch.tensor(verdicts), args.group_size)
             if not args.dynamic_sampling:

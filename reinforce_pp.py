@@ -55,7 +55,6 @@ from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
 from common.models import load_model, load_reference, prepare_training
-from common.reward import score
 from common.run import open_run, resume, save_checkpoint
 from common.setup import load_sampler, start
 
@@ -263,7 +262,7 @@ def main(args: Args) -> None:
         timer.lap("generate")
         golds = [data.golds[i] for i in rows for _ in range(args.group_size)]
         texts = [c.text for c in completions]
-        correct, reward_info = score(texts, golds, answer_format=args.reward_format)
+        correct, reward_info = data.score(completions, golds)  # the verifier, or --env's returns
         correct = torch.tensor(correct, device=device)
         lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
         truncated = torch.tensor([c.truncated for c in completions], device=device)

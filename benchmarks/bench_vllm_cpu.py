@@ -58,7 +58,8 @@ def worker(side: str, model: str, a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common import sampling
+    from common import vllm_sampler as sampling
+    from common.hf_sampler import HFSampler
 
     tok = AutoTokenizer.from_pretrained(model)
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(a.prompts)]
@@ -70,7 +71,7 @@ def worker(side: str, model: str, a) -> dict:
         from vllm import LLM, SamplingParams
 
         kwargs = dict(model=model, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.3)
-        kwargs.update(sampling._cpu_engine_defaults(MAX_MODEL_LEN, KV_FRACTION))  # enforce_eager, KV cache bytes
+        kwargs.update(sampling.cpu_engine_defaults(MAX_MODEL_LEN, KV_FRACTION))  # enforce_eager, KV cache bytes
         if side == "standalone":  # vLLM's own scheduling defaults
             del kwargs["enable_chunked_prefill"], kwargs["max_num_batched_tokens"]
         else:
@@ -84,7 +85,7 @@ def worker(side: str, model: str, a) -> dict:
             if variant == "bare":
                 params = bare
             else:  # what VLLMSampler.generate sends for its call number calls[variant]
-                params = sampling._sampling_params(0, calls[variant], len(prompts), a.n, 1.0, 1.0, a.new_tokens, [])
+                params = sampling.sampling_params(0, calls[variant], len(prompts), a.n, 1.0, 1.0, a.new_tokens, [])
             calls[variant] += 1
             t = time.perf_counter()
             out = llm.generate(reqs, params, use_tqdm=False)
@@ -93,7 +94,7 @@ def worker(side: str, model: str, a) -> dict:
             return sum(len(c.token_ids) for o in out for c in o.outputs), dt
 
     elif side == "hf":
-        s = sampling.HFSampler(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), tok, seed=0)
+        s = HFSampler(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), tok, seed=0)
 
         def generate(variant: str) -> tuple[int, float]:
             t = time.perf_counter()
@@ -111,7 +112,7 @@ def worker(side: str, model: str, a) -> dict:
                     return original(layer, remove_weight)
                 layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
-            sampling._keep_cpu_linear_weights = lambda: setattr(layer_utils, "dispatch_cpu_unquantized_gemm", plain)
+            sampling.keep_cpu_linear_weights = lambda: setattr(layer_utils, "dispatch_cpu_unquantized_gemm", plain)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         s = sampling.VLLMSampler(model, seed=0, gpu_memory_utilization=KV_FRACTION, max_model_len=MAX_MODEL_LEN)
         threads = torch.get_num_threads()
@@ -134,7 +135,7 @@ def worker(side: str, model: str, a) -> dict:
             if step:
                 times[v].append(dt)
                 tokens[v].append(n_tokens)
-    threads = (torch.get_num_threads(), sampling._generation_threads(None))  # the trainer's, ours' generate's
+    threads = (torch.get_num_threads(), sampling.generation_threads(None))  # the trainer's, ours' generate's
     push = {v: x[1:] for v, x in pushes.items()}  # without the warm-up step's
     return {"times": times, "tokens": tokens, "push": push, "threads": threads}
 

@@ -205,6 +205,19 @@ class SharedArgs:
     tool_workers: int = 4
     """programs run at once, beside generation"""
 
+    # Environments during rollouts (docs/environments.md): off by default
+    env: str = "none"
+    """<package>:<id>: multi-turn episodes with an environment, whose tasks are the prompts and whose rewards are
+    the reward (builtin:guess, gem:<GEM id> e.g. gem:game:GuessTheNumber-v0-easy, <module>:<class>); none: no
+    environment"""
+    env_max_turns: int = 32
+    """turns an environment answers before its episode ends (a cap for one that never ends; GEM's games end
+    themselves, GuessTheNumber-v0-easy after 4 turns)"""
+    env_tasks: int = 1024
+    """--env: training tasks (seeds 0 .. N-1)"""
+    env_eval_tasks: int = 64
+    """--env: held-out tasks evaluated with --eval-every (seeds from 1,000,000 on)"""
+
     # Evaluation
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from common.args import SharedArgs
+from common.completion import Completion, done_future
 from common.data_strategies import (
     Demonstration,
     PromptTracker,
@@ -35,9 +36,9 @@ from common.data_strategies import (
     inject_and_replay,
     update_replay,
 )
+from common.env import EVAL_TASKS, Env, GymEnv, failed_turn, open_env
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
-from common.sampling import Completion, _done
-from common.tool import Tool, ToolConfig, splice_text, tool_config
+from common.tool import Tool, ToolConfig, splice_text
 
 # Prompt templates
 SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -218,6 +219,7 @@ class TrainData:
     position: int = 0  # draws from the data stream so far (dapo/cispo: several a step)
     pending: list[dict] = field(default_factory=list)  # rollouts generated ahead (--off-policy-steps), oldest first
     tool: ToolConfig | None = None  # the Python tool: demonstrations' programs run, their outputs spliced and masked
+    env: Env | None = None  # the run's environment (common.env.open_env): the tool, or the game whose tasks are golds
     _tool: Tool | None = None
 
     def __post_init__(self) -> None:
@@ -251,10 +253,24 @@ class TrainData:
             ahead = self.pending[-1]["step"] + 1 if self.pending else step
             rows = self.next_rows(ahead, count, rank, world)
             prompts = [self.prompts[r] for r in rows]
-            future = sampler.submit(prompts, a.group_size, a.temperature, a.top_p, a.max_new_tokens)
+            tasks = [self.golds[r] for r in rows] if self.rewarded() else None  # an environment's: its seeds
+            future = sampler.submit(prompts, a.group_size, a.temperature, a.top_p, a.max_new_tokens, tasks)
             self.pending.append({"step": ahead, "rows": rows, "policy": step, "future": future})
         done = self.pending.pop(0)
         return done["rows"], done["future"].result(), step - done["policy"]
+
+    def rewarded(self) -> bool:
+        """Whether the environment's episodes give the reward (--env): then the golds are its tasks."""
+        return self.env is not None and self.env.rewards
+
+    def score(self, completions: list[Completion], golds: list[str]) -> tuple[list[float], dict[str, int]]:
+        """(reward per completion, counts) as common.reward.score gives them: the verifier on each completion's text
+        against its gold, or with --env the episode's return (common.completion.EnvStats.reward: its turns' rewards
+        summed, 0 when the environment raised), which the environment's golds (its tasks) do not enter."""
+        if not self.rewarded():
+            return score([c.text for c in completions], golds, answer_format=self.args.reward_format)
+        returns = [c.env.reward if c.env is not None else 0.0 for c in completions]
+        return returns, {"timeouts": 0, "errors": 0, "format_errors": 0}
 
     def train_groups(self, rows, completions, correct, step: int, accelerator, keep=None) -> TrainGroups:
         """The groups the step trains on (`inject_and_replay`: rows one per group, completions and correct one per
@@ -295,11 +311,12 @@ class TrainData:
         """A demonstration's completion (EOS appended); with the tool, its programs run and their outputs spliced in
         as a rollout's (common.tool.splice_text: mask 0 on them), its text the spliced one."""
         eos = self.tokenizer.eos_token_id
-        if self.tool is None:
-            return Completion(self.tokenizer(text, add_special_tokens=False).input_ids + [eos], text, truncated=False)
-        if self._tool is None:
+        if self._tool is None and self.tool is not None:  # built by hand (tests): a tool of its own
             self._tool = Tool(self.tool, self.tokenizer)
-        t = splice_text(text, self._tool, self.args.max_new_tokens - 1)
+        tool = self.env if isinstance(self.env, Tool) else self._tool  # a run's: the process's (common.env.open_env)
+        if tool is None:
+            return Completion(self.tokenizer(text, add_special_tokens=False).input_ids + [eos], text, truncated=False)
+        t = splice_text(text, tool, self.args.max_new_tokens - 1)
         spliced = self.tokenizer.decode(t.token_ids, skip_special_tokens=True)
         return Completion(t.token_ids + [eos], spliced, t.truncated, None, t.mask + [1], t.stats)
 
@@ -355,7 +372,7 @@ class TrainData:
         self.pending = []
         for p in state["ranks"][rank]["pending"]:
             completions = [Completion(**c) for c in p["completions"]]
-            self.pending.append({k: p[k] for k in ("step", "rows", "policy")} | {"future": _done(completions)})
+            self.pending.append({k: p[k] for k in ("step", "rows", "policy")} | {"future": done_future(completions)})
 
 
 def check_data_args(args: SharedArgs) -> None:
@@ -382,12 +399,17 @@ def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None,
     setting that quietly does less than it seems to."""
     if note := chat_template_note(args.prompt_template, tokenizer, args.model_name_or_path):
         log(note)
+    env = open_env(
+        args, tokenizer
+    )  # the Python tool checks its sandbox here: a refusal comes before anything is written
+    if isinstance(env, GymEnv):
+        return env_data(args, tokenizer, env)
     train = None
     if args.total_steps > 0:
         dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log)
-        train = TrainData(args, prompts, golds, tokenizer, tool=tool_config(args))  # runs demonstrations' programs
+        train = TrainData(args, prompts, golds, tokenizer, env=env)  # with the tool: demonstrations' programs run
         if args.gt_injection and args.solution_column:  # worked solutions, matched to the kept rows by their prompt
             try:
                 solutions = load_rows(*dataset, args.prompt_column, args.solution_column, "--solution-column")[1]
@@ -418,3 +440,28 @@ def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None,
         n = args.eval_limit or len(qs)
         eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets", log)
     return train, eval_sets
+
+
+def env_data(args: SharedArgs, tokenizer, env: GymEnv) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
+    """`load_data` with --env: the tasks are seeds (training: 0 .. --env-tasks - 1; evaluation: --env-eval-tasks from
+    common.env.EVAL_TASKS on, never a training seed), each prompt the task's first observation (common.env.ChatFormat)
+    and each gold its seed, which the sampler starts the task's episodes from. Refused in one line when a prompt is
+    longer than --max-prompt-tokens (a game's rules have no shorter version to drop it for)."""
+
+    def prompts_of(seeds: list[int], flag: str) -> tuple[list[list[int]], list[str]]:
+        try:
+            prompts = [env.format.prompt_ids(env.first_observation(s)) for s in seeds]
+        except Exception as e:  # noqa: BLE001 - a task that cannot start: one line
+            raise SystemExit(f"{flag}: {args.env} cannot start its tasks: {failed_turn(e).error}") from None
+        if (longest := max(len(p) for p in prompts)) > args.max_prompt_tokens:
+            raise SystemExit(f"{flag}: {args.env}'s prompts take up to {longest} tokens, over --max-prompt-tokens")
+        return prompts, [str(s) for s in seeds]
+
+    train = None
+    if args.total_steps > 0:
+        prompts, golds = prompts_of(list(range(args.env_tasks)), "--env-tasks")
+        train = TrainData(args, prompts, golds, tokenizer, env=env)
+    evals = {}
+    if args.eval_every > 0:
+        evals[args.env] = prompts_of([EVAL_TASKS + j for j in range(args.env_eval_tasks)], "--env-eval-tasks")
+    return train, evals

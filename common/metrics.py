@@ -192,10 +192,18 @@ def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) ->
 def evaluate(sampler, eval_sets, args: SharedArgs) -> dict[str, float]:
     """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k =
     --eval-samples per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
-    --eval-max-new-tokens, the final answer read in the run's resolved --reward-format."""
+    --eval-max-new-tokens, the final answer read in the run's resolved --reward-format. With --env the golds are its
+    held-out tasks and an episode is correct when the environment calls it a success (no maj@k: no final answer)."""
     k, fmt, temperature, start = (args.eval_samples, args.reward_format, args.eval_temperature, time.time())
     top_p, metrics = args.eval_top_p if temperature > 0 else 1.0, {}
     for name, (prompts, golds) in eval_sets.items():
+        if args.env != "none":
+            outs = sampler.generate(prompts, k, temperature, top_p, args.eval_max_new_tokens, golds)
+            groups = [[float(o.env.success) for o in outs[q * k : (q + 1) * k]] for q in range(len(prompts))]
+            short = name.split(":")[-1]
+            metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for c in groups]))
+            metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for c in groups]))
+            continue
         texts = [o.text for o in sampler.generate(prompts, k, temperature, top_p, args.eval_max_new_tokens)]
         correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
         groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
@@ -275,6 +283,8 @@ def step_metrics(accelerator, completions, correct, rewards, reward_info, stats,
     metrics.update(health_metrics([c.text for c in completions], correct, lengths, group_size, accelerator))
     if completions and completions[0].tool is not None:  # a run with the tool (common/tool.py)
         metrics.update(tool_metrics(accelerator, completions))
+    if completions and completions[0].env is not None:  # a run with an environment (common/env.py)
+        metrics.update(env_metrics(accelerator, completions))
     for k, v in stats.items():
         if isinstance(v, torch.Tensor):
             v = gather(accelerator, v)
@@ -309,6 +319,34 @@ def tool_metrics(accelerator, completions) -> dict[str, float]:
         "tool/seconds": seconds,
         "tool/overlap_frac": overlap / seconds if seconds else float("nan"),
         "tool/output_tokens_mean": tokens / max(n, 1.0),
+    }
+
+
+def env_metrics(accelerator, completions) -> dict[str, float]:
+    """env/ metrics of a rollout with an environment, over all ranks: turns answered, return and success per
+    episode, episodes whose environment raised (ended with reward 0), episodes the turn cap ended, observation
+    tokens per episode (in the sequence, out of the loss) and observations cut to the budget; time/env, the seconds
+    the environment took to answer (summed over a rank's episodes, mean over ranks), against time/generate."""
+    rows = [
+        [e.turns, e.reward, e.success, bool(e.error), e.capped, e.obs_tokens, e.obs_truncated, e.seconds]
+        for c in completions
+        if (e := c.env) is not None
+    ]
+    totals = torch.tensor(rows or [[0.0] * 8], dtype=torch.float64, device=accelerator.device).sum(0)
+    count = torch.tensor([float(len(rows)), 1.0], dtype=torch.float64, device=accelerator.device)
+    turns, reward, success, errors, capped, obs, cut, seconds, n, ranks = accelerator.reduce(
+        torch.cat([totals, count]), "sum"
+    ).tolist()
+    n = max(n, 1.0)
+    return {
+        "env/turns_mean": turns / n,
+        "env/reward_mean": reward / n,
+        "env/success_frac": success / n,
+        "env/errors": errors,
+        "env/capped_frac": capped / n,
+        "env/obs_tokens_mean": obs / n,
+        "env/obs_truncated": cut,
+        "time/env": seconds / ranks,
     }
 
 

@@ -14,10 +14,10 @@ import torch
 
 from common.args import SharedArgs
 from common.data import check_data_args
+from common.env import check_env_args, open_env
 from common.reward import answer_format_for, set_workers
 from common.run import complete_checkpoints
 from common.sampling import make_sampler, resolve_sampler
-from common.sandbox import require_sandbox
 from common.tool import tool_config
 
 if TYPE_CHECKING:
@@ -64,9 +64,8 @@ def check_shared_args(args: SharedArgs) -> None:
         raise SystemExit("--lora-rank must be >= 0 (0: full fine-tuning), --lora-alpha > 0, --lora-dropout in [0, 1)")
     if args.lora_sync == "adapter" and (args.lora_rank == 0 or args.sampler != "vllm" or args.vllm_mode != "colocate"):
         raise SystemExit("--lora-sync adapter needs --lora-rank > 0 and the colocated vLLM engine (--sampler vllm)")
-    if args.tool == "python":
-        tool_config(args)  # a bad --tool-* value: one line
-        require_sandbox(args.tool_sandbox)  # bubblewrap missing or unable to run here: one line
+    tool_config(args)  # a bad --tool-* value: one line (the sandbox is checked where the tool is built: open_env)
+    check_env_args(args)
     check_data_args(args)
 
 
@@ -145,9 +144,10 @@ def start(args: SharedArgs) -> tuple[SharedArgs, Accelerator]:
             "would silently run DDP); on a CPU use DDP or DeepSpeed ZeRO-3 (docs/gpu.md)"
         )
     sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-    if args.tool == "python" and args.sampler == "hf" and sharded:
+    if (args.tool == "python" or args.env != "none") and args.sampler == "hf" and sharded:
+        flag = "--tool python" if args.tool == "python" else "--env"
         raise SystemExit(
-            f"--tool python with HF generate under {accelerator.distributed_type.value}: the ranks would generate "
+            f"{flag} with HF generate under {accelerator.distributed_type.value}: the ranks would generate "
             "different numbers of rounds over sharded weights; use --sampler vllm, or DDP"
         )
     if args.lora_rank > 0 and sharded:
@@ -181,11 +181,12 @@ def load_sampler(args: SharedArgs, model, tokenizer, accelerator):
     """The --sampler (common.sampling.make_sampler) for this rank (seed + rank * 100003): vLLM with the --vllm-*
     settings, room for `max_model_len`, and the template's stop strings. --vllm-mode server: a
     client of tools/vllm_server.py (common.vllm_server), given the model's weights first (the server may hold
-    another run's). With --tool python the sampler runs the model's programs (common/tool.py)."""
+    another run's). With --env or --tool python its episodes run in the process's environment (common.env.open_env,
+    which the data shares; the sampler closes it)."""
     from common.data import STOP_STRINGS
 
     seed, stop = args.seed + accelerator.process_index * 100003, STOP_STRINGS.get(args.prompt_template, [])
-    tool = tool_config(args)
+    env = open_env(args, tokenizer)
     if args.vllm_mode == "server":
         from common.vllm_server import ServerSampler
 
@@ -203,7 +204,7 @@ def load_sampler(args: SharedArgs, model, tokenizer, accelerator):
             stop=stop,
             rank=rank,
             world=world,
-            tool=tool,
+            env=env,
             tokenizer=tokenizer,
         )
         sampler.update_weights(model)
@@ -226,5 +227,5 @@ def load_sampler(args: SharedArgs, model, tokenizer, accelerator):
         max_model_len=max_model_len(args, model),
         stop=stop,
         lora_rank=args.lora_rank if args.lora_sync == "adapter" else 0,
-        tool=tool,
+        env=env,
     )

@@ -1,13 +1,15 @@
 """A Python tool during rollouts (tool-integrated reasoning, as ToRL, arXiv 2503.23383): the model writes a fenced
 ```python block; generation stops at the block's closing fence; the program runs in the sandbox (common/sandbox.py);
-its output, cut short, is appended as an ```output block; generation goes on from there (docs/tools.md).
+its output, cut short, is appended as an ```output block; generation goes on from there (docs/tools.md). The tool is
+one environment of common/env.py: a turn ends at a closing fence, the answer is the program's output block (no reward:
+the verifier scores the text), EOS ends the episode, and the driver there runs it in every sampler.
 
-    tool = Tool(ToolConfig(max_calls=2), tokenizer)        # checks the sandbox, starts the pool
-    sampler = make_sampler(..., tool=tool.config)          # common/sampling.py builds its own Tool
+    tool = open_env(args, tokenizer)                # common.env: Tool(config, tokenizer), one per process
+    sampler = make_sampler(..., env=tool)           # its episodes: common.env.run_episodes
 
 Tokens. A completion's token ids are the sampler's ids exactly as sampled, segment after segment, with each output
 block's ids appended between them (the block's text tokenised on its own; the whole text is never re-tokenised), so
-the trainer's log-probs condition on exactly what the sampler saw. `Trajectory.mask` is 1 on the model's tokens and
+the trainer's log-probs condition on exactly what the sampler saw. The completion's mask is 1 on the model's tokens and
 0 on the output blocks' (common.batching.make_batch folds it into the loss mask); their sampler log-probs are 0.0,
 never read (masked). `max_new_tokens` counts both: an output block that does not fit is cut to the budget and the
 completion ends there, truncated.
@@ -33,7 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.args import SharedArgs
-from common.sandbox import SANDBOXES, BusyClock, Limits, RunResult, Sandbox, ToolPool, require_sandbox
+from common.completion import Segment, ToolStats
+from common.env import Env, Episode, Turn, after_segment, after_turn, episode_text
+from common.sandbox import SANDBOXES, Limits, RunResult, Sandbox, ToolPool, require_sandbox
+
+__all__ = ["FENCE", "Segment", "Tool", "ToolConfig", "ToolStats", "Trajectory", "closed_program", "splice_text"]
 
 TOOLS = ("none", "python")
 FENCE = "```\n"  # the tool's stop string: a closing fence and its newline
@@ -94,18 +100,6 @@ def tool_config(args: SharedArgs) -> ToolConfig | None:
     )
 
 
-@dataclass
-class ToolStats:
-    """A completion's tool use: programs run, those that failed (an exception, a non-zero exit, the output cap) and
-    those that timed out, their seconds and the part of those that overlapped generation."""
-
-    calls: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    seconds: float = 0.0
-    overlap_seconds: float = 0.0
-
-
 def closed_program(text: str) -> str | None:
     """The code of the ```python block that `text` closes at its very end (its last line a bare fence), else None:
     a fence closing another kind of block, or a fence not on a line of its own."""
@@ -161,19 +155,87 @@ def output_block(shown: str, after: str = "\n") -> str:
     return ("" if after.endswith("\n") else "\n") + f"```output\n{shown}\n```\n"
 
 
-class Tool:
-    """A ToolConfig at work in one sampler: the sandbox checked (SystemExit in one line when it cannot run), the
-    pool, the clock the sampler marks generation with, and the tokenizer that encodes the output blocks."""
+class ToolRules(Env):
+    """The tool's side of the state transition (common.env), from its config alone: a turn ends at a closing fence
+    while programs are left (else at EOS, which ends the episode); the action is the python block the fence closed
+    (None: another kind of block, generation goes on); no reward."""
+
+    rewards = False
+
+    def __init__(self, config: ToolConfig):
+        super().__init__()
+        self.config = config
+
+    def new_stats(self) -> ToolStats:
+        return ToolStats()
+
+    def stops(self, ep: Episode) -> list[str]:
+        return [FENCE] if ep.stats.calls < self.config.max_calls else []
+
+    def ends(self, ep: Episode, seg: Segment) -> bool:
+        return seg.stop != FENCE  # EOS or the template's stop string: the completion is complete
+
+    def action(self, ep: Episode, seg: Segment) -> str | None:
+        return closed_program(seg.text)
+
+    def tally(self, stats: ToolStats, turn: Turn) -> ToolStats:
+        result: RunResult | None = turn.result
+        if result is None:  # the pool itself failed (common.env counts the episode's error): a failed call
+            return ToolStats(stats.calls + 1, stats.errors + 1, stats.timeouts, stats.seconds, stats.overlap_seconds)
+        return ToolStats(
+            stats.calls + 1,
+            stats.errors + result.failed,
+            stats.timeouts + result.timed_out,
+            stats.seconds + result.seconds,
+            stats.overlap_seconds + result.overlap_s,
+        )
+
+    def fields(self, ep: Episode) -> dict[str, Any]:
+        return {"tool": ep.stats}
+
+
+def program_turn(result: RunResult, config: ToolConfig) -> Turn:
+    """A program's run as the environment's answer: what the model is shown, the run kept for the statistics."""
+    return Turn(observation=shown_output(result, config), seconds=result.seconds, result=result)
+
+
+def output_ids(ep: Episode, shown: str, tool: Any) -> list[int]:
+    """The ids of the output block appended after `ep`'s last segment (`tool` encodes and decodes)."""
+    return tool.encode(output_block(shown, tool.decode(ep.token_ids[ep.last_start :])))
+
+
+class Tool(ToolRules):
+    """The Python tool as an environment (see the module docstring): the sandbox checked (SystemExit in one line when
+    it cannot run; once per process), the pool its programs run in beside generation, the tokenizer that encodes the
+    output blocks. An answer depends on the program alone, so HF generate starts it the step a row stops (`early`)."""
+
+    early = True
 
     def __init__(self, config: ToolConfig, tokenizer: Any):
         require_sandbox(config.sandbox)
-        self.config, self.tokenizer = config, tokenizer
-        self.lock = threading.Lock()  # the server's request chains splice from many threads; fast tokenizers object
-        self.clock = BusyClock()
+        super().__init__(config)
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()  # a server's rollouts run in threads; fast tokenizers object to sharing
         self.pool = ToolPool(Sandbox(config.sandbox, config.limits()), config.workers, self.clock)
 
     def submit(self, code: str) -> Future:
+        """A future of `code`'s RunResult."""
         return self.pool.submit(code)
+
+    def answer(self, ep: Episode) -> Future:
+        future: Future = Future()
+
+        def done(run: Future) -> None:
+            try:
+                future.set_result(program_turn(run.result(), self.config))
+            except BaseException as e:  # noqa: BLE001 - handed to the driver, which ends the episode
+                future.set_exception(e)
+
+        self.submit(ep.action).add_done_callback(done)
+        return future
+
+    def observe(self, ep: Episode, turn: Turn) -> list[int]:
+        return output_ids(ep, turn.observation, self)
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -185,111 +247,44 @@ class Tool:
 
     def close(self) -> None:
         self.pool.close()
+        super().close()
 
 
 @dataclass
-class Segment:
-    """What one generation request gave: the sampled ids, their processed log-probs (None: the backend gives none),
-    the backend's text (cut after a stop string), and how it ended: `stop` the stop string (None for EOS or the
-    budget), `truncated` when the budget ran out."""
+class Trajectory(Episode):
+    """A completion built with the tool by hand (the demonstrations' `splice_text`, tests): common.env's transition
+    applied in place, the programs run by `tool` (anything with `config`, `submit`, `encode` and `decode`). The
+    samplers drive theirs with common.env.run_episodes."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None
-    text: str
-    stop: str | None
-    truncated: bool
-
-
-@dataclass
-class Trajectory:
-    """One completion being built with the tool: prompt index, sample index within its group, the ids so far (the
-    model's segments and the output blocks), their mask and log-probs, the tool's stats, and the pending program."""
-
-    prompt: int
-    sample: int
-    token_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)
     stats: ToolStats = field(default_factory=ToolStats)
-    done: bool = False
-    truncated: bool = False
-    last_start: int = 0  # where the last model segment begins (its stop string cuts the final text)
-    last_stop: str | None = None
     future: Future | None = None  # the program of the last segment, running
-    early: tuple[str, Future] | None = None  # a program started before its segment was returned (`start`)
-    waves: int = 0  # generation requests so far (seeds the next)
 
     def stops(self, stop: list[str], config: ToolConfig) -> list[str]:
         """The stop strings of this trajectory's next request: the template's, and the fence while calls are left."""
-        return list(stop) + ([FENCE] if self.stats.calls < config.max_calls else [])
+        return list(stop) + ToolRules(config).stops(self)
 
-    def add(self, seg: Segment, budget: int, tool: Tool) -> None:
+    def add(self, seg: Segment, budget: int, tool: Any) -> None:
         """Appends a generated segment (cut to `budget` new tokens in all); starts the program it closes, if any."""
-        self.last_start, self.last_stop, self.waves = len(self.token_ids), seg.stop, self.waves + 1
-        room = budget - len(self.token_ids)
-        ids = seg.token_ids[:room]
-        self.token_ids += ids
-        self.mask += [1] * len(ids)
-        if self.logprobs is not None and seg.logprobs is not None:
-            self.logprobs += seg.logprobs[: len(ids)]
-        else:
-            self.logprobs = None
-        if len(seg.token_ids) > room or seg.truncated:  # the budget ran out
-            self.done, self.truncated = True, True
-        elif seg.stop != FENCE:  # EOS or the template's stop string: the completion is complete
-            self.done = True
-        elif len(self.token_ids) >= budget:  # a closing fence, and no room left after it
-            self.done, self.truncated = True, True
-        elif (code := closed_program(seg.text)) is not None:  # else another block closed: generation goes on
-            self.future = self.early[1] if self.early and self.early[0] == code else tool.submit(code)
-        self.early = None
+        self.__dict__.update(vars(after_segment(self, seg, budget, ToolRules(tool.config))))
+        if self.action is not None:
+            self.future = tool.submit(self.action)
 
-    def start(self, token_ids: list[int], text: str, budget: int, tool: Tool) -> None:
-        """Starts the program a segment still being generated has just closed (HF generate calls it the step the
-        row stops, so the program runs beside the other rows); `add` takes it over when the segment is returned."""
-        room = budget - len(self.token_ids)
-        if self.stats.calls < tool.config.max_calls and len(token_ids) < room and text.endswith(FENCE):
-            code = closed_program(text)
-            if code is not None:
-                self.early = (code, tool.submit(code))
-
-    def splice(self, budget: int, tool: Tool) -> None:
+    def splice(self, budget: int, tool: Any) -> None:
         """Waits for the pending program and appends its output block (mask 0), cut to the budget."""
         if self.future is None:
             return
-        result: RunResult = self.future.result()
+        turn = program_turn(self.future.result(), tool.config)
         self.future = None
-        s = self.stats
-        s.calls += 1
-        s.errors += result.failed
-        s.timeouts += result.timed_out
-        s.seconds += result.seconds
-        s.overlap_seconds += result.overlap_s
-        after = tool.decode(self.token_ids[self.last_start :])
-        ids = tool.encode(output_block(shown_output(result, tool.config), after))
-        ids = ids[: budget - len(self.token_ids)]
-        self.token_ids += ids
-        self.mask += [0] * len(ids)
-        if self.logprobs is not None:
-            self.logprobs += [0.0] * len(ids)
-        if len(self.token_ids) >= budget:
-            self.done, self.truncated = True, True
+        ids = output_ids(self, turn.observation, tool)
+        self.__dict__.update(vars(after_turn(self, turn, ids, budget, ToolRules(tool.config))))
 
     def text(self, decode, stop: list[str]) -> str:
         """The completion's text: all its ids decoded, the last model segment cut after the template's stop string
         that ended it (as without the tool)."""
-        text = decode(self.token_ids)
-        if self.last_stop is None or self.last_stop == FENCE:
-            return text
-        head = decode(self.token_ids[: self.last_start])
-        if not text.startswith(head):  # a character split across the boundary: cut the whole text
-            head = ""
-        tail = text[len(head) :]
-        ends = [i + len(s) for s in stop if (i := tail.find(s)) >= 0]
-        return head + (tail[: min(ends)] if ends else tail)
+        return episode_text(self, decode, stop)
 
 
-def splice_text(text: str, tool: Tool, budget: int) -> Trajectory:
+def splice_text(text: str, tool: Any, budget: int) -> Trajectory:
     """A text written with the tool's blocks (a worked solution, for --gt-injection) as a rollout would hold it: its
     text tokenised piece by piece up to each closed ```python block, the block's program run and its output block
     spliced in (an output block the text already holds after it is dropped: the tool's own replaces it), within

@@ -12,8 +12,8 @@ reload, /finish_weight_update, /reset_prefix_cache, /resume. vLLM's own backends
 communicator has no timeout (a dead peer hangs the trainer: TRL #6797). `WorkerWeightTransferEngine` /
 `TrainerWeightTransferEngine` add "torch_pg" (registered when this module is imported: the server's workers import it
 through --worker-extension-cls): torch's process group, NCCL when the trainer has CUDA (the trainer says which in
-the init info), else gloo, which on CPU also re-packs the engine's GEMM weights after a push (common.sampling's
-`_repack_cpu_linears`). Tested on CPU (gloo); the NCCL route has not run yet.
+the init info), else gloo, which on CPU also re-packs the engine's GEMM weights after a push (common.vllm_sampler's
+`repack_cpu_linears`). Tested on CPU (gloo); the NCCL route has not run yet.
 
 Every call is bounded: HTTP requests by --vllm-server-timeout, the group's rendezvous and every collective by the
 same; a failure raises SystemExit with one line naming the server and what the trainer was doing.
@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -34,18 +34,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from common.sampling import (
-    Completion,
-    _check_request,
-    _copy,
-    _keep_cpu_linear_weights,
-    _repack_cpu_linears,
-    _request_seed,
-    _tool_completions,
-    _tool_seed,
-    iter_weight_buckets,
-)
-from common.tool import Segment, Tool, ToolConfig, Trajectory
+from common.completion import Completion, Segment, check_request, copy_completion, episode_seed, request_seed
+from common.env import Env, Request, episode_completions, run_episodes
+from common.tool import Tool, ToolConfig
+from common.vllm_sampler import keep_cpu_linear_weights, repack_cpu_linears
+from common.weight_sync import iter_weight_buckets
 
 BACKEND = "torch_pg"  # vLLM's name for our weight-transfer engines
 
@@ -148,7 +141,7 @@ def _engine_classes():
 
             finalize_layerwise_reload(self.model, self.model_config)
             if current_platform.is_cpu():  # vLLM's CPU GEMMs read packed copies: pack them from the new weights
-                _repack_cpu_linears(self.model)
+                repack_cpu_linears(self.model)
 
         def shutdown(self) -> None:
             _destroy(self.group)
@@ -269,7 +262,7 @@ if os.environ.get("RL_VLLM_SERVER_WORKER") == "1":  # set by tools/vllm_server.p
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        _keep_cpu_linear_weights()
+        keep_cpu_linear_weights()
 
 
 class _SyncClient:
@@ -306,9 +299,10 @@ class ServerSampler:
     requests finished (/pause?mode=wait), and every rank waits until it is done. `state_dict` is the call counter
     that seeds the requests (as VLLMSampler's).
 
-    With `tool` (common/tool.py; `tokenizer` encodes its output blocks): each completion is a chain of requests in a
-    thread of its own, one request per segment (its prompt and tokens so far, seeded as the colocated engine's), its
-    programs run beside the trainer (the server only generates; tools/vllm_server.py needs nothing for the tool)."""
+    With an environment (`env`, common/env.py; or `tool`, whose output blocks `tokenizer` encodes): a rollout's
+    episodes run in rounds (common.env.run_episodes, in the rollout's thread), a round's requests all at once (each
+    episode's prompt and tokens so far, seeded as the colocated engine's), the environment's answers beside the
+    server's generation (the server only generates; tools/vllm_server.py needs nothing for an environment)."""
 
     def __init__(
         self,
@@ -322,6 +316,7 @@ class ServerSampler:
         world=1,
         tool: ToolConfig | None = None,
         tokenizer=None,
+        env: Env | None = None,
     ):
         import requests
 
@@ -332,7 +327,9 @@ class ServerSampler:
         self.http = requests.Session()
         self.pool = ThreadPoolExecutor(max_workers=64)  # the requests of a rollout, one per prompt
         self.waiter = ThreadPoolExecutor(max_workers=4)  # a rollout's future: waits for its requests
-        self.tool = Tool(tool, tokenizer) if tool is not None else None
+        # the environment its episodes run in: the run's (common.env.open_env), or a tool of its own (`tool`)
+        self.env = env if env is not None else Tool(tool, tokenizer) if tool is not None else None
+        self.tokenizer = tokenizer
         self.pending: list[Future] = []
         self.lock = threading.Lock()
         self.engine = None
@@ -351,23 +348,13 @@ class ServerSampler:
         return r.json() if r.content else None
 
     # Sampler ---------------------------------------------------------------------------------------------------
-    def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> Future:
+    def submit(self, prompt_token_ids, n, temperature, top_p, max_new_tokens, tasks=None) -> Future:
         """Starts generating in the background; the future's result is `generate`'s."""
-        _check_request(prompt_token_ids, n, max_new_tokens)
+        check_request(prompt_token_ids, n, max_new_tokens)
         call, self.calls = self.calls, self.calls + 1
-        if self.tool is not None:
-            rows = 1 if temperature <= 0 else n
-            futures = [
-                self.pool.submit(self._chain, p, i, j, call, rows, temperature, top_p, max_new_tokens)
-                for i, p in enumerate(prompt_token_ids)
-                for j in range(rows)
-            ]
-            decode = functools.partial(self.tool.tokenizer.decode, skip_special_tokens=True)
-
-            def completions() -> list[Completion]:
-                return _tool_completions([f.result() for f in futures], decode, self.stop, n, temperature <= 0)
-
-            result = self.waiter.submit(completions)
+        if self.env is not None:
+            args = (prompt_token_ids, n, temperature, top_p, max_new_tokens, call, tasks)
+            result = self.waiter.submit(self._episodes, *args)
         else:
             futures = [
                 self.pool.submit(self._one, p, i, call, n, temperature, top_p, max_new_tokens)
@@ -378,68 +365,74 @@ class ServerSampler:
             self.pending = [f for f in self.pending if not f.done()] + [result]
         return result
 
-    def generate(self, prompt_token_ids, n, temperature, top_p, max_new_tokens) -> list[Completion]:
-        return self.submit(prompt_token_ids, n, temperature, top_p, max_new_tokens).result()
+    def generate(self, prompt_token_ids, n, temperature, top_p, max_new_tokens, tasks=None) -> list[Completion]:
+        return self.submit(prompt_token_ids, n, temperature, top_p, max_new_tokens, tasks).result()
 
-    def _one(self, prompt, i, call, n, temperature, top_p, max_new_tokens) -> list[Completion]:
+    def _params(self, n: int, temperature: float, top_p: float, max_tokens: int, stop, seed: int) -> dict:
+        """The in-process engine's sampling parameters (common.vllm_sampler), as the server's JSON."""
         greedy = temperature <= 0
-        rows = 1 if greedy else n
-        params = {
-            "n": rows,
+        return {
+            "n": n,
             "temperature": 0.0 if greedy else temperature,
             "top_p": 1.0 if greedy else top_p,
             "top_k": 0,
-            "max_tokens": max_new_tokens,
+            "max_tokens": max_tokens,
             "logprobs": 0,
-            "seed": _request_seed(self.seed, call, i, rows),
-            "stop": self.stop or None,
+            "seed": seed,
+            "stop": list(stop) or None,
             "include_stop_str_in_output": True,
             "skip_special_tokens": True,
             "detokenize": True,
         }
-        body = {"token_ids": list(prompt), "sampling_params": params, "output_mode": "text", "model": self.model}
+
+    def _generate(self, token_ids: list[int], params: dict) -> list[dict]:
+        """One POST /inference/v1/generate: its choices, in order, each checked to have finished."""
+        body = {"token_ids": list(token_ids), "sampling_params": params, "output_mode": "text", "model": self.model}
         out = self._call("post", "inference/v1/generate", "generating", body)
-        completions = []
-        for c in sorted(out["choices"], key=lambda c: c["index"]):
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        for c in choices:
             if c["finish_reason"] not in ("stop", "length"):
                 raise ServerError(f"--vllm-server-host {self.url}: a request ended with {c['finish_reason']!r}")
+        return choices
+
+    def _one(self, prompt, i, call, n, temperature, top_p, max_new_tokens) -> list[Completion]:
+        greedy = temperature <= 0
+        rows = 1 if greedy else n
+        params = self._params(
+            rows, temperature, top_p, max_new_tokens, self.stop, request_seed(self.seed, call, i, rows)
+        )
+        completions = []
+        for c in self._generate(prompt, params):
             logprobs = [e["logprob"] for e in c["logprobs"]["content"]]
             comp = Completion(c["token_ids"], c.get("text") or "", c["finish_reason"] == "length", logprobs)
-            completions += [comp] if not greedy else [_copy(comp) for _ in range(n)]
+            completions += [comp] if not greedy else [copy_completion(comp) for _ in range(n)]
         return completions
 
-    def _chain(self, prompt, i, j, call, rows, temperature, top_p, max_new_tokens) -> Trajectory:
-        """Sample j of prompt i with the tool: a request per segment until the completion is done."""
-        t, tool, greedy = Trajectory(i, j), self.tool, temperature <= 0
-        while not t.done:
-            params = {
-                "n": 1,
-                "temperature": 0.0 if greedy else temperature,
-                "top_p": 1.0 if greedy else top_p,
-                "top_k": 0,
-                "max_tokens": max_new_tokens - len(t.token_ids),
-                "logprobs": 0,
-                "seed": _tool_seed(self.seed, call, i, j, t.waves, rows),
-                "stop": t.stops(self.stop, tool.config),
-                "include_stop_str_in_output": True,
-                "skip_special_tokens": True,
-                "detokenize": True,
-            }
-            body = {"token_ids": list(prompt) + t.token_ids, "sampling_params": params, "output_mode": "text"}
-            with tool.clock.busy():  # the server generates while any request is out
-                out = self._call("post", "inference/v1/generate", "generating", {**body, "model": self.model})
-            c = out["choices"][0]
-            if c["finish_reason"] not in ("stop", "length"):
-                raise ServerError(f"--vllm-server-host {self.url}: a request ended with {c['finish_reason']!r}")
-            logprobs = [e["logprob"] for e in c["logprobs"]["content"]]
-            stop = c.get("stop_reason") if isinstance(c.get("stop_reason"), str) else None
-            t.add(
-                Segment(c["token_ids"], logprobs, c.get("text") or "", stop, c["finish_reason"] == "length"),
-                max_new_tokens,
-                tool,
-            )
-            t.splice(max_new_tokens, tool)
-        return t
+    def _episodes(self, prompts, n, temperature, top_p, max_new_tokens, call, tasks) -> list[Completion]:
+        """A rollout with the environment (in the waiter's thread): common.env.run_episodes over rounds of
+        `_round`, each episode's requests seeded as the colocated engine's (`episode_seed`)."""
+        rows = 1 if temperature <= 0 else n
+
+        def seed(ep) -> int:
+            return episode_seed(self.seed, call, ep.prompt, ep.sample, ep.waves, rows)
+
+        def generate(requests: list[Request], finished, stopped) -> None:
+            futures = {
+                self.pool.submit(self._segment, r, temperature, top_p): i for i, r in enumerate(requests)
+            }  # all at once: the server batches them
+            for future in as_completed(futures):
+                finished(futures[future], future.result())
+
+        episodes = run_episodes(self.env, prompts, rows, max_new_tokens, self.stop, generate, seed, tasks)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        return episode_completions(self.env, episodes, decode, self.stop, n // rows)
+
+    def _segment(self, r: Request, temperature: float, top_p: float) -> Segment:
+        """One request of an episode's round, as a Segment."""
+        (c,) = self._generate(r.prefix, self._params(1, temperature, top_p, r.max_tokens, r.stop, r.seed))
+        logprobs = [e["logprob"] for e in c["logprobs"]["content"]]
+        stop = c.get("stop_reason") if isinstance(c.get("stop_reason"), str) else None
+        return Segment(c["token_ids"], logprobs, c.get("text") or "", stop, c["finish_reason"] == "length")
 
     def update_weights(self, model: nn.Module) -> None:
         """Rank 0 pushes `model`'s weights (iter_weight_buckets: full tensors under checkpoint names, gathered over
@@ -501,9 +494,9 @@ class ServerSampler:
         """Leaves the weight-transfer group (the server stays up for the next trainer)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.waiter.shutdown(wait=False, cancel_futures=True)
-        if self.tool is not None:
-            self.tool.close()
-            self.tool = None
+        if self.env is not None:
+            self.env.close()
+            self.env = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -44,13 +44,13 @@ def gap(sampler, model, prompts: list[list[int]], n: int = 2, max_new: int = 24)
 def main(model_dir: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.sampling import VLLMSampler, _repack_cpu_linears
+    from common.vllm_sampler import VLLMSampler, repack_cpu_linears
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sampler = VLLMSampler(model_dir, seed=0, gpu_memory_utilization=0.02, max_model_len=512)
     prompts = chat_prompts(tok)
-    report: dict = {"packed_layers": sampler.llm.apply_model(_repack_cpu_linears)[0]}
+    report: dict = {"packed_layers": sampler.llm.apply_model(repack_cpu_linears)[0]}
     report["diff_before"] = gap(sampler, model, prompts)
     torch.manual_seed(0)
     with torch.no_grad():  # a change of the size a few optimizer steps make: every weight matrix, 2% of its scale

@@ -124,7 +124,7 @@ def test_cpu_generate_runs_with_its_own_thread_count_and_restores_the_trainers(e
 
 @pytest.mark.slow
 def test_without_the_cpu_weight_fix_load_weights_cannot_sync(vllm_assets):
-    """What `_keep_cpu_linear_weights` guards: vLLM's CPU backend repacks linear weights and leaves empty tensors in
+    """What `keep_cpu_linear_weights` guards: vLLM's CPU backend repacks linear weights and leaves empty tensors in
     their place, so the `load_weights` route cannot write into them. (The `reload_weights` route rebuilds the packed
     kernels from scratch at every push, so it syncs either way in vLLM 0.32.)"""
     proc = run([sys.executable, "-m", "tests.vllm_worker", vllm_assets["untied"], "--no-cpu-weight-fix"])

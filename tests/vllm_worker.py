@@ -10,7 +10,7 @@ Measures, on the model in MODEL_DIR (tied or untied output layer):
   log_softmax(logits / T) of the HF model on prompt + completion;
 - weight sync by both routes: the same difference after one linear layer changes, before and after the push
   (`reload_weights`, then `load_weights`), and, untied, after the output layer alone changes.
---no-cpu-weight-fix builds the engine without `_keep_cpu_linear_weights`, to show what the fix guards (a route that
+--no-cpu-weight-fix builds the engine without `keep_cpu_linear_weights`, to show what the fix guards (a route that
 raises is reported as `<route>_error`).
 """
 
@@ -53,10 +53,10 @@ def logprob_gap(sampler, model, temperature: float, prompts=PROMPTS, n: int = N)
 def main(model_dir: str, fix: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    import common.sampling as sampling
+    import common.vllm_sampler as sampling
 
     if not fix:
-        sampling._keep_cpu_linear_weights = lambda: None
+        sampling.keep_cpu_linear_weights = lambda: None
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
     before = (random.random(), float(np.random.rand()), torch.rand(1).item(), torch.get_num_threads())
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
