@@ -382,7 +382,7 @@ def test_an_episodes_ids_are_the_samplers_plus_the_observations(name, toy_assets
     prompts = [fmt.prompt_ids(env.first_observation(t)) for t in range(2)]
     sampler = HFSampler(model, tok, seed=1, env=env)
     out = sampler.generate(prompts, 3, 1.0, 1.0, 200, tasks=[0, 1])
-    batch = make_batch(prompts, out, torch.zeros(len(out)), tok.pad_token_id, "cpu")
+    batch = make_batch(prompts, out, tok.pad_token_id, "cpu")
     for i, c in enumerate(out):
         segments, ids, mask = sampled[(i // 3, i % 3)], [], []
         for k, s in enumerate(segments):
