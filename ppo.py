@@ -125,18 +125,25 @@ def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, 
     delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
     left. A position with mask 0 is skipped: the next value and the running advantage carry past it
     (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T]."""
-    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        keep = mask[:, t] > 0
-        next_value = torch.where(keep, values[:, t], next_value)
-        running = torch.where(keep, delta + gamma * lam * running, running)
-        advantages[:, t] = running
-    return advantages, advantages + values
+    (one per row). Returns raw (advantages, returns), [B, T].
+    The recurrence A_t = a_t + c_t A_{t+1} (a = delta, c = gamma lam where kept; a = 0, c = 1 where
+    skipped) runs as a parallel scan (Hillis & Steele 1986) instead of a loop over positions:
+    log2(T) doubling steps, after the one of offset k a_t sums positions t..t+2k-1, c_t their factor."""
+    keep, t = mask > 0, values.shape[1]
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
+    # V_next: the value of the first kept position after t (index t, a 0 appended, after the last)
+    pos = torch.where(keep, torch.arange(t, device=values.device), t)
+    first_kept = pos.flip(1).cummin(1).values.flip(1)  # the first kept position >= t
+    after = torch.cat([first_kept[:, 1:], torch.full_like(first_kept[:, :1], t)], 1)
+    next_value = torch.cat([values, torch.zeros_like(values[:, :1])], 1).gather(1, after)
+    a = torch.where(keep, token_rewards + gamma * next_value - values, 0.0)
+    c = torch.where(keep, gamma * lam, 1.0)
+    k = 1
+    while k < t:  # a_t += c_t a_{t+k}, c_t *= c_{t+k}; the last k positions are complete already
+        a = torch.cat([a[:, :-k] + c[:, :-k] * a[:, k:], a[:, -k:]], 1)
+        c = torch.cat([c[:, :-k] * c[:, k:], c[:, -k:]], 1)
+        k *= 2
+    return a, a + values
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
