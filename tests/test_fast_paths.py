@@ -237,10 +237,39 @@ def test_the_speed_flags_refuse_in_one_line_where_they_cannot_work(monkeypatch):
     with pytest.raises(SystemExit, match="--liger-kernel needs liger-kernel: pip install liger-kernel"):
         use_liger_kernels(model, "cuda")
     assert padding_free_attention(model, "cpu") == "sdpa"  # with the block-diagonal mask: nothing to change
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # on CUDA without flash-attn: torch's flex attention
-    assert padding_free_attention(model, "cuda") == "flex_attention"
     with pytest.raises(SystemExit, match="--torch-compile: .* has no decoder `layers`"):
         compile_decoder_layers(SimpleNamespace(get_decoder=lambda: torch.nn.Linear(2, 2), __class__=object))
+
+
+def test_padding_free_on_cuda_without_flash_attn_runs_padded_after_one_warning_line(monkeypatch, capsys):
+    """On CUDA without flash-attn, --padding-free keeps the model's attention and says so in one line, once per
+    process (not per model: the reference model is set up too); the policy's forward then runs the padded path, the
+    same log-probs bit for bit (the device check of `packs` answered as on CUDA). With a varlen attention it packs."""
+    import common.kernels
+    import common.logprobs
+
+    model = tiny_qwen2()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
+    monkeypatch.setattr(common.kernels, "_warned", False)
+    assert padding_free_attention(model, "cuda") == "sdpa"
+    assert padding_free_attention(tiny_qwen2(), "cuda") == "sdpa"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --padding-free") and "pip install flash-attn" in err[0]
+    assert common.kernels.packs(model, "cpu") and not common.kernels.packs(model, "cuda")
+    varlen = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert common.kernels.packs(varlen, "cuda")
+
+    monkeypatch.setattr(common.logprobs, "packs", lambda lm, device: common.kernels.packs(lm, "cuda"))
+    packed_calls = []
+    original = TokenLogProbs._packed
+    monkeypatch.setattr(TokenLogProbs, "_packed", lambda self, *a: packed_calls.append(1) or original(self, *a))
+    ids, attn = packed_batch()
+    got = TokenLogProbs(model, chunk_size=3, padding_free=True)(ids, attn, 4, 0.7)
+    want = TokenLogProbs(model, chunk_size=3)(ids, attn, 4, 0.7)
+    assert not packed_calls and all(torch.equal(g, w) for g, w in zip(got, want))
+    monkeypatch.setattr(common.logprobs, "packs", lambda lm, device: True)  # a varlen attention: packed
+    TokenLogProbs(model, chunk_size=3, padding_free=True)(ids, attn, 4, 0.7)
+    assert packed_calls
 
 
 def cuda_step(model, padding_free=False, autocast=True):
@@ -295,17 +324,23 @@ def test_liger_kernels_on_cuda_give_the_same_log_probs_and_gradient(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention", "sdpa"])
 def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(attention, monkeypatch):
-    """flash-attn's varlen kernel, or torch's flex attention without flash-attn, on the packed rows
-    (padding_free_attention) against sdpa on the padded batch."""
+    """flash-attn's varlen kernel (padding_free_attention), or torch's flex attention set by hand, on the packed rows
+    against sdpa on the padded batch; without flash-attn (sdpa) the padded path itself."""
+    import common.kernels
+
     if attention == "flash_attention_2":
         pytest.importorskip("flash_attn")
     else:
         monkeypatch.setitem(sys.modules, "flash_attn", None)
     model = test_families.tiny("qwen2").float().cuda().train()
     want_lp, want = cuda_step(model)
-    assert padding_free_attention(model, "cuda") == attention
+    padding_free_attention(model, "cuda")
+    if attention == "flex_attention":
+        model.set_attn_implementation("flex_attention")
+    assert model.config._attn_implementation == attention
+    assert common.kernels.packs(model, "cuda") == (attention != "sdpa")
     got_lp, got = cuda_step(model, padding_free=True)
     assert_bf16_close(got_lp, want_lp, "logps")
     for name in want:
