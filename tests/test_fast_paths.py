@@ -206,6 +206,47 @@ def test_padding_free_gives_the_padded_log_probs_and_gradient(family, attention)
             torch.testing.assert_close(grads[name], reference[name], rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_critic_padding_free_gives_the_padded_values_and_gradient(family):
+    """The critic (common.critic.TokenValues) with padding_free, in float64 with sdpa: the padded forward's values on
+    every completion token, 0 on padding, and the same parameter gradient (a random head, so the decoder's gradient
+    is not 0). A wrong packing errs by 1e-2 or more."""
+    from common.critic import TokenValues
+
+    model = test_families.tiny(family)
+    model.set_attn_implementation("sdpa")
+    padded, packed = (TokenValues(model.get_decoder(), SMALL["hidden_size"], padding_free=pf) for pf in (False, True))
+    packed.value_head = padded.value_head
+    torch.nn.init.normal_(padded.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(5))
+    ids, attn = packed_batch()
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * mask
+    results = []
+    for critic in (padded, packed):
+        critic.zero_grad(set_to_none=True)
+        values = critic(ids, attn, 4)
+        (values * upstream).sum().backward()
+        results.append((values, {n: p.grad.clone() for n, p in critic.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert got.dtype == torch.float64 and (got[~mask] == 0).all()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-10, atol=1e-12)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-12 * g.abs().max().item(), msg=name)
+
+
+def test_the_critic_takes_the_policys_speed_flags(toy_assets):
+    """build_critic applies --padding-free, --liger-kernel and --torch-compile as load_model does for the policy
+    (common.run.speed_paths): the critic packs its micro-batches, and Liger refuses on a CPU in the same line."""
+    import ppo
+    from common.critic import build_critic
+
+    args = ppo.Args(group_size=4, padding_free=True)
+    assert build_critic(toy_assets["model"], args).padding_free
+    assert not build_critic(toy_assets["model"], ppo.Args(group_size=4)).padding_free
+    with pytest.raises(SystemExit, match="--liger-kernel needs a CUDA GPU"):
+        build_critic(toy_assets["model"], ppo.Args(group_size=4, liger_kernel=True))
+
+
 def test_padding_free_micro_batches_count_tokens_without_padding():
     """With padding_free the token budget counts each row's own tokens: every row once, longest completion first,
     within the budget and the row cap (a row over the budget alone), fewer micro-batches than padded for the same
@@ -318,6 +359,46 @@ def test_liger_kernels_on_cuda_give_the_same_log_probs_and_gradient(family):
     finally:
         module.update(saved)
     assert_as_close_as_bf16(got_lp, own_lp, exact_lp, "logps")
+    for name in exact:
+        assert_as_close_as_bf16(got[name], own[name], exact[name], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_critic_with_liger_and_padding_free_on_cuda_is_as_close_to_fp32_as_bf16():
+    """The critic's speed paths on CUDA (what build_critic applies with --liger-kernel --padding-free: Liger's kernels,
+    flash-attn's varlen attention where installed, else padded), under bf16 autocast: its values and gradients as close
+    to the fp32 result as the model's own bf16 computation, tensor by tensor."""
+    pytest.importorskip("liger_kernel")
+    from common.critic import TokenValues
+
+    model = test_families.tiny("qwen2").float().cuda().train()
+    ids, attn = (t.cuda() for t in packed_batch())
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)).cuda() * mask
+    head = torch.randn(1, SMALL["hidden_size"], generator=torch.Generator().manual_seed(5)).cuda() * 0.3
+
+    def step(padding_free=False, autocast=True):
+        critic = TokenValues(model.get_decoder(), SMALL["hidden_size"], padding_free=padding_free).cuda()
+        with torch.no_grad():
+            critic.value_head.weight.copy_(head)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            values = critic(ids, attn, 4)
+        (values * upstream).sum().backward()
+        return values[mask], {n: p.grad.float() for n, p in critic.named_parameters()}
+
+    exact_v, exact = step(autocast=False)
+    own_v, own = step()
+    module = vars(sys.modules[type(model).__module__])  # Liger swaps classes in it: restored after
+    saved = dict(module)
+    try:
+        use_liger_kernels(model, "cuda")
+        padding_free_attention(model, "cuda")
+        got_v, got = step(padding_free=True)
+    finally:
+        module.update(saved)
+    assert_as_close_as_bf16(got_v, own_v, exact_v, "values")
     for name in exact:
         assert_as_close_as_bf16(got[name], own[name], exact[name], name)
 
