@@ -140,24 +140,17 @@ def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, 
     delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
     left. A position with mask 0 is skipped: the next value and the running advantage carry past it
     (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T].
-    The recurrence A_t = a_t + c_t A_{t+1} (a = delta, c = gamma lam where kept; a = 0, c = 1 where
-    skipped) runs as a parallel scan (Hillis & Steele 1986) instead of a loop over positions:
-    log2(T) doubling steps, after the one of offset k a_t sums positions t..t+2k-1, c_t their factor."""
+    (one per row). Returns raw (advantages, returns), [B, T], by a parallel scan in log2(T) steps."""
     keep, t = mask > 0, values.shape[1]
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
-    # V_next: the value of the first kept position after t (index t, a 0 appended, after the last)
-    pos = torch.where(keep, torch.arange(t, device=values.device), t)
-    first_kept = pos.flip(1).cummin(1).values.flip(1)  # the first kept position >= t
-    after = torch.cat([first_kept[:, 1:], torch.full_like(first_kept[:, :1], t)], 1)
-    next_value = torch.cat([values, torch.zeros_like(values[:, :1])], 1).gather(1, after)
-    a = torch.where(keep, token_rewards + gamma * next_value - values, 0.0)
-    c = torch.where(keep, gamma * lam, 1.0)
-    k = 1
-    while k < t:  # a_t += c_t a_{t+k}, c_t *= c_{t+k}; the last k positions are complete already
+    idx = torch.where(keep, torch.arange(t, device=mask.device), t).flip(1).cummin(1).values
+    nxt = torch.cat([idx.flip(1)[:, 1:], torch.full_like(idx[:, :1], t)], 1)  # next kept (t: none)
+    v_next = torch.cat([values, torch.zeros_like(values[:, :1])], 1).gather(1, nxt)
+    a = torch.where(keep, token_rewards + gamma * v_next - values, 0.0)  # A_t = a_t + c_t A_t+1
+    c = torch.where(keep, gamma * lam, 1.0)  # skipped: A_t = A_t+1
+    for k in (2**i for i in range((t - 1).bit_length())):  # a_t += c_t a_t+k; c_t *= c_t+k
         a = torch.cat([a[:, :-k] + c[:, :-k] * a[:, k:], a[:, -k:]], 1)
         c = torch.cat([c[:, :-k] * c[:, k:], c[:, -k:]], 1)
-        k *= 2
     return a, a + values
 
 
