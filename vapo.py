@@ -133,18 +133,18 @@ def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, 
     delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
     left. A position with mask 0 is skipped: the next value and the running advantage carry past it
     (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T]."""
-    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        keep = mask[:, t] > 0
-        next_value = torch.where(keep, values[:, t], next_value)
-        running = torch.where(keep, delta + gamma * lam * running, running)
-        advantages[:, t] = running
-    return advantages, advantages + values
+    (one per row). Returns raw (advantages, returns), [B, T], by a parallel scan in log2(T) steps."""
+    keep, t = mask > 0, values.shape[1]
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
+    idx = torch.where(keep, torch.arange(t, device=mask.device), t).flip(1).cummin(1).values
+    nxt = torch.cat([idx.flip(1)[:, 1:], torch.full_like(idx[:, :1], t)], 1)  # next kept (t: none)
+    v_next = torch.cat([values, torch.zeros_like(values[:, :1])], 1).gather(1, nxt)
+    a = torch.where(keep, token_rewards + gamma * v_next - values, 0.0)  # A_t = a_t + c_t A_t+1
+    c = torch.where(keep, gamma * lam, 1.0)  # skipped: A_t = A_t+1
+    for k in (2**i for i in range((t - 1).bit_length())):  # a_t += c_t a_t+k; c_t *= c_t+k
+        a = torch.cat([a[:, :-k] + c[:, :-k] * a[:, k:], a[:, -k:]], 1)
+        c = torch.cat([c[:, :-k] * c[:, k:], c[:, -k:]], 1)
+    return a, a + values
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

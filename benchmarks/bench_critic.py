@@ -13,6 +13,11 @@ steps after --warmup (per round, and the median over rounds), the per-phase medi
 forward over the rollout is in old_logprobs, its update in train_critic), and each run's peak resident set size
 (wait4's rusage of the child: weights, both optimizers' states, activations). With --rounds the scripts alternate, so
 load on a shared machine hits all of them. Writes benchmarks/results/critic_<device>_h<hidden>x<layers>_<n>tok.md.
+
+Also GAE alone at 20k tokens (16 rows x 1250 positions, lengths 250-1250, a masked span inside each row, fp32 as the
+scripts compute it, per-row lambdas as vapo.py's): ppo.compute_gae (the scan) against the loop over positions it
+replaced (tests/test_ppo.py's loop_gae), median of --gae-repeats each, in this process, their ratio; the two are
+checked equal in float64 first. `--gae-only` runs just that (seconds; on CUDA too) and writes critic_gae_<device>.md.
 """
 
 from __future__ import annotations
@@ -70,6 +75,51 @@ def run(script: str, model: str, data: str, a) -> tuple[float, dict[str, float],
     return statistics.median(r["time/step"] for r in rows), phases, usage.ru_maxrss / 2**20
 
 
+def gae_timing(repeats: int) -> dict:
+    """GAE at 20k tokens: the scan (ppo.compute_gae) and the loop over positions, median seconds each and the ratio."""
+    import torch
+
+    import ppo
+    from tests.test_ppo import loop_gae
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows, width = 16, 1250
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(250, width, rows).round().long()
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    starts = (torch.rand(rows, generator=g) * lengths * 0.8).long()
+    for row, start in enumerate(starts.tolist()):
+        mask[row, start : start + 20] = 0  # a tool's output inside the completion
+    values = torch.rand(rows, width, generator=g, dtype=torch.float64)
+    rewards = ppo.outcome_token_rewards(torch.randint(0, 2, (rows,), generator=g).double(), mask)
+    lams = (1 - 1 / (0.05 * mask.sum(-1).double())).clamp(min=0)  # vapo.py's policy lambda (alpha 0.05)
+    scan, loop = ppo.compute_gae(rewards, values, mask, 1.0, lams), loop_gae(rewards, values, mask, 1.0, lams)
+    for a, b in zip(scan, loop):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    inputs = (rewards.float().to(device), values.float().to(device), mask.to(device), 1.0, lams.float().to(device))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {"device": device.type, "rows": rows, "width": width, "tokens": rows * width, "kept": int(mask.sum())}
+    for name, fn in (("loop_s", loop_gae), ("scan_s", ppo.compute_gae)):
+        fn(*inputs)  # warm-up
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            fn(*inputs)
+            sync()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    out["ratio"] = out["loop_s"] / out["scan_s"]
+    return out
+
+
+def gae_line(r: dict) -> str:
+    return (
+        f"GAE at {r['tokens']} tokens ({r['rows']} rows x {r['width']}, {r['kept']} kept, fp32, {r['device']}): "
+        f"loop over positions {r['loop_s'] * 1e3:.2f} ms, scan {r['scan_s'] * 1e3:.2f} ms, {r['ratio']:.1f}x faster"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256)
@@ -80,7 +130,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="alternate the scripts this many times")
+    p.add_argument("--gae-repeats", type=int, default=20)
+    p.add_argument("--gae-only", action="store_true", help="time GAE alone, not the scripts")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     a = p.parse_args()
+    gae = gae_line(gae_timing(a.gae_repeats))
+    print(gae, flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    if a.gae_only:
+        import torch
+
+        where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU threads"
+        name = f"critic_gae_{'cuda' if torch.cuda.is_available() else 'cpu'}.md"
+        with open(os.path.join(a.out, name), "w") as f:
+            f.write(f"{time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}: `python benchmarks/"
+                    f"bench_critic.py {' '.join(sys.argv[1:])}`\n\n{gae}\n")  # fmt: skip
+        return
     from tests.toy import write_dataset
 
     root = tempfile.mkdtemp()
@@ -114,10 +179,10 @@ def main() -> None:
     for k in PHASES:
         lines.append(f"| {k} | " + " | ".join(f"{phases[s][k]:.3f}" for s in SCRIPTS) + " |")
     lines.append("| peak RSS (GiB, last round) | " + " | ".join(f"{rss[s]:.2f}" for s in SCRIPTS) + " |")
+    lines += ["", gae]
     table = "\n".join(lines)
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     name = f"critic_{'cuda' if cuda else 'cpu'}_h{a.hidden}x{a.layers}_{a.new_tokens}tok.md"
-    with open(os.path.join(ROOT, "benchmarks", "results", name), "w") as f:
+    with open(os.path.join(a.out, name), "w") as f:
         f.write(table + "\n")
     print(table)
 

@@ -15,7 +15,8 @@ Sides (each in a fresh process, same seed, same model and batch; one warm-up upd
                     --logprob-kernel torch), GRPO's compute_policy_loss, token-budget micro-batches
                     (--micro-batch-tokens 8192), weights_cast_once
   ours-liger        ours with Liger's RMSNorm / SwiGLU / RoPE (common.kernels.use_liger_kernels; CUDA)
-  ours-padding-free ours with padding-free micro-batches (on CUDA flash-attn, else torch's flex attention)
+  ours-padding-free ours with padding-free micro-batches (on CUDA flash-attn's varlen attention; without
+                    flash-attn the scripts run them padded, and so does this side: its row says "ran padded")
   ours-compile      ours with torch.compile of the decoder layers (the timed updates follow a compiling warm-up)
   ours-triton       ours with --logprob-kernel triton: Triton's softmax and d logits (common/triton_logprobs.py;
                     CUDA), what the scripts' default --logprob-kernel auto picks there
@@ -24,10 +25,16 @@ Sides (each in a fresh process, same seed, same model and batch; one warm-up upd
   trl               the path the issue measured: full logits of the completion, trl.trainer.utils
                     selective_log_softmax and entropy_from_logits (TRL 1.16.0), 4 rows per micro-batch padded to the
                     rollout's longest, TRL's GRPO loss (loss_type="grpo", gradient accumulation over the 4)
-  trl-liger         trl with Liger's kernels in the model (CUDA)
   trl-fused         TRL 1.16.0's own GRPOTrainer path: trl.trainer.utils.add_fused_lm_head, then
                     model(..., labels, fused_lm_head=True) for log-probs and entropy; same loss and micro-batches
-  trl-fused-liger   trl-fused with Liger's kernels (GRPOConfig(use_liger_kernel=True) does the same; CUDA)
+  trl-liger         TRL 1.16.0's GRPOTrainer with GRPOConfig(use_liger_kernel=True), like with ours-fast: trl-fused
+                    with Liger's RMSNorm / SwiGLU / RoPE in the model (TRL 1.16.0 has no Liger GRPO loss any more:
+                    grpo_trainer.py applies Liger's layer kernels only, fused_linear_cross_entropy off, and keeps its
+                    fused LM head; CUDA)
+  trl-liger-loss    trl-liger's kernels with Liger's fused linear GRPO loss (liger_kernel.chunked_loss
+                    LigerFusedLinearGRPOLoss, loss_type="grpo", beta 0) on the decoder's last hidden state, as the
+                    TRL releases that had it called it (GRPOConfig(use_liger_loss=True), later use_liger_kernel=True;
+                    GRPOTrainer.compute_liger_loss); same micro-batches (CUDA)
 One update: all micro-batches, forward and backward, gradient clipping at 1.0, AdamW step, zero_grad; the advantages
 are fixed and old log-probs = the log-probs (one update per rollout), so every side computes the same loss, and
 the same gradient up to rounding (the report gives each side's loss and gradient norm).
@@ -88,7 +95,7 @@ OURS = {
     "ours-triton": {"triton"}, "ours-fast": {"liger", "triton"}, "ours-fast-padding-free": {"liger", "triton",
     "padding-free"},
 }  # fmt: skip
-SIDES = [*OURS, "trl", "trl-liger", "trl-fused", "trl-fused-liger"]
+SIDES = [*OURS, "trl", "trl-fused", "trl-liger", "trl-liger-loss"]
 ROWS, TRL_ROWS, TEMPERATURE = 16, 4, 1.0
 
 
@@ -205,9 +212,10 @@ def ours_update(policy, optimizer, batch, grpo, args, split: Split, autocast) ->
     return total, step(policy, optimizer, split)
 
 
-def trl_update(model, optimizer, batch, split: Split, autocast, fused: bool) -> tuple[float, float]:
+def trl_update(model, optimizer, batch, split: Split, autocast, fused: bool, liger_loss=None) -> tuple[float, float]:
     """The TRL path: TRL_ROWS rows per micro-batch at the rollout's full width, log-probs of the completion from full
-    logits (trl) or TRL's fused head (trl-fused), TRL's GRPO loss scaled by 1 / gradient-accumulation steps."""
+    logits (trl) or TRL's fused head (trl-fused, trl-liger), TRL's GRPO loss scaled by 1 / gradient-accumulation
+    steps; or Liger's fused linear GRPO loss on the last hidden state (`liger_loss`, trl-liger-loss)."""
     import torch
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
@@ -223,6 +231,12 @@ def trl_update(model, optimizer, batch, split: Split, autocast, fused: bool) -> 
         keep = completion.shape[1]
         split.mark("forward_start")
         with autocast():
+            if liger_loss is not None:  # GRPOTrainer.compute_liger_loss: the hidden states before each completion token
+                hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1][:, -keep:]
+                loss = liger_loss(hidden, model.lm_head.weight, completion, mask, advantages)[0] / accumulation
+                split.backward(loss)
+                total += loss.detach()
+                continue
             if fused:  # GRPOTrainer._get_per_token_logps_and_entropies
                 labels = ids.masked_fill(attn == 0, -100)
                 labels[:, :-keep] = -100
@@ -266,20 +280,22 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(shape, device)
     params = sum(p.numel() for p in model.parameters())
-    paths = OURS.get(side, {"liger"} if side.endswith("liger") else set())
+    paths = OURS.get(side, {"liger"} if side.startswith("trl-liger") else set())
     if "liger" in paths:
         from common.kernels import use_liger_kernels
 
         use_liger_kernels(model, device)
+    packed = None
     if "padding-free" in paths:
-        from common.kernels import padding_free_attention
+        from common.kernels import packs, padding_free_attention
 
         padding_free_attention(model, device)
+        packed = packs(model, device)  # on CUDA without flash-attn the scripts (and this side) run padded
     if "compile" in paths:
         from common.kernels import compile_decoder_layers
 
         compile_decoder_layers(model)
-    if side.startswith("trl-fused"):
+    if side in ("trl-fused", "trl-liger"):
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
@@ -299,8 +315,15 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         )  # fmt: skip
         update = lambda: ours_update(policy, optimizer, batch, grpo, args, split, autocast)  # noqa: E731
     else:
-        fused = side.startswith("trl-fused")
-        update = lambda: trl_update(model, optimizer, batch, split, autocast, fused)  # noqa: E731
+        fused, liger_loss = side in ("trl-fused", "trl-liger"), None
+        if side == "trl-liger-loss":  # GRPOTrainer.__init__'s, for loss_type="grpo", beta 0, no reference model
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            liger_loss = LigerFusedLinearGRPOLoss(
+                beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+                temperature=TEMPERATURE,
+            )  # fmt: skip
+        update = lambda: trl_update(model, optimizer, batch, split, autocast, fused, liger_loss)  # noqa: E731
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)  # the scripts' and transformers' on CUDA
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the model, before any update
     setup_s = time.perf_counter() - started
@@ -345,8 +368,9 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
         "device": name,
         "params": params,
         "real_tokens": tokens,
-        "computed_tokens": computed_tokens(side, batch),
+        "computed_tokens": computed_tokens(side, batch, packed),
         "attention": model.config._attn_implementation,
+        "packed": packed,  # padding-free sides: whether they ran packed (None: not a padding-free side)
         "update_s": median,
         "update_s_all": times,
         "tokens_per_s": tokens / median,
@@ -363,16 +387,16 @@ def worker(side: str, shape: str, repeats: int, threads: int | None, profile: st
     }
 
 
-def computed_tokens(side: str, batch) -> int:
+def computed_tokens(side: str, batch, packed: bool | None) -> int:
     """Tokens the decoder runs on, padding included: ours cuts each micro-batch to its own widths (or packs it)."""
     from common.batching import micro_batches
 
     lens = batch["lens"]
     if side.startswith("trl"):
         return ROWS * (batch["p_len"] + max(c for _, c in lens))
-    if "padding-free" in OURS.get(side, set()):
+    if packed:
         return sum(p + c for p, c in lens)
-    args = SimpleNamespace(micro_batch_size=256, micro_batch_tokens=8192, padding_free=False)
+    args = SimpleNamespace(micro_batch_size=256, micro_batch_tokens=8192, padding_free=packed is not None)
     return sum(len(rows) * (p_w + c_w) for rows, p_w, c_w in micro_batches(list(range(ROWS)), lens, args))
 
 
@@ -391,7 +415,7 @@ def versions() -> dict:
 def default_sides(cuda: bool, have: dict) -> list[str]:
     sides = ["ours", "trl", "trl-fused"]
     if cuda and have["liger-kernel"]:
-        sides += ["ours-liger", "trl-liger", "trl-fused-liger"]
+        sides += ["ours-liger", "ours-fast", "trl-liger", "trl-liger-loss"]
     if cuda:
         sides += ["ours-padding-free"]
     return sides
@@ -431,8 +455,9 @@ def markdown(results: list[dict], meta: dict) -> str:
             continue
         s = r["split_s"]
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        side = r["side"] + (" (ran padded: no flash-attn)" if r.get("packed") is False else "")
         rows.append(
-            f"| {r['side']} | {r['update_s']:.3f} | {r['tokens_per_s']:.0f} | {fmt(r['mfu'], '.1%')} "
+            f"| {side} | {r['update_s']:.3f} | {r['tokens_per_s']:.0f} | {fmt(r['mfu'], '.1%')} "
             f"| {fmt(r['peak_gib'], '.1f')} | {r['peak_rss_mib']:.0f} | {s['decoder_fwd']:.3f} "
             f"| {s['logprob_fwd']:.3f} "
             f"| {s['logprob_bwd']:.3f} | {s['decoder_bwd']:.3f} | {s['optimizer']:.3f} | {r['computed_tokens']} "
@@ -476,7 +501,8 @@ def main() -> None:
         profile = f"{a.profile}_{side}.txt" if a.profile else None
         results.append(run_side(side, a.shape, a.repeats, a.timeout, threads, profile))
         r = results[-1]
-        print(side, r.get("error") or f"{r['update_s']:.3f} s, {r['tokens_per_s']:.0f} tok/s", flush=True)
+        ran = {None: "", True: ", packed", False: ", ran padded (no flash-attn)"}[r.get("packed")]
+        print(side, r.get("error") or f"{r['update_s']:.3f} s, {r['tokens_per_s']:.0f} tok/s{ran}", flush=True)
         text = report(results, a, cuda, threads, have)
     print(text)
 

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from common.args import SharedArgs
+from common.kernels import packs
 
 
 @dataclass
@@ -62,9 +63,10 @@ class TokenValues(nn.Module):
     fp32 precision under bf16 autocast. Wrapped as a module (like TokenLogProbs) so DDP, FSDP2 and ZeRO-3 hooks
     see every parameter it uses."""
 
-    def __init__(self, decoder: nn.Module, hidden_size: int):
+    def __init__(self, decoder: nn.Module, hidden_size: int, padding_free: bool = False):
         super().__init__()
         self.backbone = decoder
+        self.padding_free = padding_free
         dtype = next(decoder.parameters()).dtype
         self.value_head = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
         nn.init.zeros_(self.value_head.weight)
@@ -72,12 +74,26 @@ class TokenValues(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor, completion_start: int) -> Tensor:
         """input_ids / attention_mask: [B, L], prompts left-padded to `completion_start` columns, then right-padded
         completions. Returns [B, L - completion_start] values (fp32, fp64 for an fp64 model): entry t is the value of
-        the state that token `completion_start + t` was sampled in."""
+        the state that token `completion_start + t` was sampled in. padding_free: the rows packed into one sequence
+        as `TokenLogProbs(padding_free=True)` does (on CUDA only with a varlen attention, common.kernels.packs); the
+        same values on completion tokens, 0 on padding."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.padding_free and packs(self.backbone, input_ids.device):
+            keep = attention_mask.bool()
+            hidden = self.backbone(
+                input_ids=input_ids[keep][None], position_ids=position_ids[keep][None], use_cache=False
+            ).last_hidden_state[0]
+            place = keep.flatten().cumsum(0).view(keep.shape) - 1  # each kept token's index in the packed sequence
+            scored = keep[:, completion_start:]  # completion tokens, each valued from the kept token before it
+            values = self.head(hidden[place[:, completion_start - 1 : -1][scored]])
+            return torch.zeros(scored.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        hidden = hidden[:, completion_start - 1 : -1]
+        return self.head(hidden[:, completion_start - 1 : -1])
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """The scalar head on hidden states [..., H], in the head's dtype with autocast off: values [...]."""
         with torch.autocast(hidden.device.type, enabled=False):
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return values.to(torch.promote_types(values.dtype, torch.float32))
@@ -91,10 +107,11 @@ def build_critic(path: str, args: CriticArgs) -> TokenValues:
     with a zero head, or a critic this module saved (`save_critic`: a sequence classifier with one label, or a decoder
     and VALUE_HEAD_FILE) with its head. With --lora-rank the decoder gets adapters of its own
     (common.models.add_lora: same rank, alpha, targets) and only those and the head train: LoRA is there to save
-    memory, which a fully trained critic would spend again. --gradient-checkpointing applies to it too."""
+    memory, which a fully trained critic would spend again. --gradient-checkpointing applies to it too, and so do
+    --padding-free, --liger-kernel and --torch-compile (common.models.speed_paths, as for the policy)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from common.models import add_lora
+    from common.models import add_lora, speed_paths
 
     head = None
     try:
@@ -119,10 +136,12 @@ def build_critic(path: str, args: CriticArgs) -> TokenValues:
     lm.config.use_cache = False
     if args.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    speed_paths(args, lm)
     if args.lora_rank > 0:
         lm = add_lora(lm, args)
     config = getattr(lm.config, "text_config", None) or lm.config
-    critic = TokenValues(lm.get_decoder() if hasattr(lm, "get_decoder") else lm, config.hidden_size)
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm
+    critic = TokenValues(decoder, config.hidden_size, padding_free=args.padding_free)
     if head is not None:
         with torch.no_grad():
             critic.value_head.weight.copy_(head)

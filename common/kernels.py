@@ -1,11 +1,15 @@
 """Optional speed-ups of the trainer's model, each off by default: Liger-Kernel's fused RMSNorm, SwiGLU and RoPE,
 torch.compile of the decoder layers, and a varlen attention for padding-free micro-batches
-(`TokenLogProbs(padding_free=True)`). Each changes how the model computes, not what (tests/test_fast_paths.py); Liger
-and compile refuse in one line where they cannot work. Apply them to the Hugging Face model before LoRA adapters and
-before `accelerator.prepare`.
+(`TokenLogProbs(padding_free=True)`; on CUDA without flash-attn they run padded: `packs`). Each changes how the model
+computes, not what (tests/test_fast_paths.py); Liger and compile refuse in one line where they cannot work. Apply them
+to the Hugging Face model before LoRA adapters and before `accelerator.prepare`.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import sys
 
 import torch
 from torch import nn
@@ -40,16 +44,44 @@ def compile_decoder_layers(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
+# attention kernels that run packed rows without computing the blocks between them ("flex_attention" only when set by
+# hand: padding_free_attention never picks it, see there)
+PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+_warned = False
+
+
+def packed_attention_available() -> bool:
+    """Whether --padding-free can pack rows here: on a CPU always (the model's own attention with the block-diagonal
+    mask), on CUDA when flash-attn is installed (`padding_free_attention`)."""
+    return not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is not None
+
+
 def padding_free_attention(model: nn.Module, device: torch.device | str) -> str:
-    """Sets and returns the attention for padding-free micro-batches. On CUDA: flash-attn's varlen kernel
-    ("flash_attention_2") when flash-attn is installed, else torch's flex attention ("flex_attention", compiled on first
-    use), which skips the blocks the packed rows' block-diagonal mask excludes; sdpa would compute them all, quadratic
-    in the micro-batch's tokens. On a CPU the model's own (sdpa or eager, with that mask: what the tests compare)."""
+    """Sets and returns the attention for padding-free micro-batches. On CUDA flash-attn's varlen kernel
+    ("flash_attention_2") when flash-attn is installed; without it the model keeps its own attention and
+    `TokenLogProbs` runs the micro-batches padded (`packs`), said in one line: sdpa on packed rows would compute every
+    block of their [tokens x tokens] mask, and torch's flex attention, which skips them, was still compiling after
+    65 s at bench_trainer.py's 1.5B shape. On a CPU the model's own (sdpa or eager with the block-diagonal mask: what
+    the tests compare)."""
+    global _warned
     if torch.device(device).type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
             model.set_attn_implementation("flash_attention_2")
         except ImportError:
-            model.set_attn_implementation("flex_attention")
+            if not _warned and os.environ.get("RANK", "0") == "0":
+                print(
+                    "warning: --padding-free on CUDA needs flash-attn (pip install flash-attn); without it the "
+                    "micro-batches run padded",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            _warned = True
     return model.config._attn_implementation
+
+
+def packs(model: nn.Module, device: torch.device | str) -> bool:
+    """Whether padding-free micro-batches of `model` run packed on `device`: on a CPU with any attention, on CUDA only
+    with one of PACKED_ATTENTION (`padding_free_attention` sets flash-attn's where it is installed)."""
+    return torch.device(device).type != "cuda" or model.config._attn_implementation in PACKED_ATTENTION

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from common.args import SharedArgs
+from common.kernels import packs
 
 KERNELS = ("auto", "torch", "triton", "triton-fused")
 
@@ -275,7 +276,8 @@ class TokenLogProbs(nn.Module):
     padding_free: the decoder sees the rows' tokens back to back as one sequence, positions restarting at 0 in each
     row and no attention mask, from which transformers attends within each row (flash-attn's varlen kernel, or a
     block-diagonal mask for sdpa / eager); only the completion tokens reach the output layer. Same log-probs and
-    gradient on those tokens; 0 on padding. It reads the micro-batch's token count on the host once per forward.
+    gradient on those tokens; 0 on padding. It reads the micro-batch's token count on the host once per forward. On
+    CUDA only with a varlen attention (common.kernels.packs: flash-attn's), else the forward runs padded.
     """
 
     def __init__(self, lm: nn.Module, chunk_size: int = 1024, kernel: str = "torch", padding_free: bool = False):
@@ -300,7 +302,7 @@ class TokenLogProbs(nn.Module):
         right-padded completions. Returns (logps, entropy), each [B, L - completion_start]: entry t is
         token `completion_start + t` given everything before it."""
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if self.padding_free:
+        if self.padding_free and packs(self.lm, input_ids.device):  # else padded (CUDA without flash-attn)
             return self._packed(input_ids, attention_mask.bool(), position_ids, completion_start, temperature)
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

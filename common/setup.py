@@ -15,6 +15,7 @@ import torch
 from common.args import SharedArgs
 from common.data import check_data_args
 from common.env import check_env_args, open_env
+from common.kernels import packed_attention_available
 from common.reward import answer_format_for, set_workers
 from common.run import complete_checkpoints
 from common.sampling import make_sampler, resolve_sampler
@@ -83,7 +84,7 @@ def check_world(args: SharedArgs, world: int) -> None:
 
 
 # the flags whose "auto" (or --resume with --total-steps 0) start() decides; args.json keeps both values
-RESOLVED = ("sampler", "reward_format", "rollout_correction", "mixed_precision", "model_name_or_path")
+RESOLVED = ("sampler", "reward_format", "rollout_correction", "mixed_precision", "model_name_or_path", "padding_free")
 
 
 def resolve_modes(args: SharedArgs) -> SharedArgs:
@@ -112,6 +113,8 @@ def resolve_modes(args: SharedArgs) -> SharedArgs:
         reward_format=answer_format_for(args.prompt_template, args.reward_format),
         rollout_correction=correction,
         mixed_precision=mixed,
+        # on CUDA packed rows need flash-attn (common.kernels); without it the micro-batches are planned padded
+        padding_free=args.padding_free and packed_attention_available(),
         model_name_or_path=model,
     )
     resolved.requested = {k: getattr(args, k) for k in RESOLVED if getattr(args, k) != getattr(resolved, k)}
@@ -160,6 +163,8 @@ def start(args: SharedArgs) -> tuple[SharedArgs, Accelerator]:
             f"note: --lora-rank {args.lora_rank} at --learning-rate {args.learning_rate:g}, a full fine-tuning rate: "
             "LoRA learns at ~10x the full fine-tuning rate (docs/lora.md)"
         )
+    if args.requested.get("padding_free"):
+        accelerator.print("warning: --padding-free on CUDA needs flash-attn (pip install flash-attn): running padded")
     return args, accelerator
 
 

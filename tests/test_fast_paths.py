@@ -206,6 +206,47 @@ def test_padding_free_gives_the_padded_log_probs_and_gradient(family, attention)
             torch.testing.assert_close(grads[name], reference[name], rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_critic_padding_free_gives_the_padded_values_and_gradient(family):
+    """The critic (common.critic.TokenValues) with padding_free, in float64 with sdpa: the padded forward's values on
+    every completion token, 0 on padding, and the same parameter gradient (a random head, so the decoder's gradient
+    is not 0). A wrong packing errs by 1e-2 or more."""
+    from common.critic import TokenValues
+
+    model = test_families.tiny(family)
+    model.set_attn_implementation("sdpa")
+    padded, packed = (TokenValues(model.get_decoder(), SMALL["hidden_size"], padding_free=pf) for pf in (False, True))
+    packed.value_head = padded.value_head
+    torch.nn.init.normal_(padded.value_head.weight, std=0.3, generator=torch.Generator().manual_seed(5))
+    ids, attn = packed_batch()
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * mask
+    results = []
+    for critic in (padded, packed):
+        critic.zero_grad(set_to_none=True)
+        values = critic(ids, attn, 4)
+        (values * upstream).sum().backward()
+        results.append((values, {n: p.grad.clone() for n, p in critic.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert got.dtype == torch.float64 and (got[~mask] == 0).all()
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-10, atol=1e-12)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-12 * g.abs().max().item(), msg=name)
+
+
+def test_the_critic_takes_the_policys_speed_flags(toy_assets):
+    """build_critic applies --padding-free, --liger-kernel and --torch-compile as load_model does for the policy
+    (common.models.speed_paths): the critic packs its micro-batches, and Liger refuses on a CPU in the same line."""
+    import ppo
+    from common.critic import build_critic
+
+    args = ppo.Args(group_size=4, padding_free=True)
+    assert build_critic(toy_assets["model"], args).padding_free
+    assert not build_critic(toy_assets["model"], ppo.Args(group_size=4)).padding_free
+    with pytest.raises(SystemExit, match="--liger-kernel needs a CUDA GPU"):
+        build_critic(toy_assets["model"], ppo.Args(group_size=4, liger_kernel=True))
+
+
 def test_padding_free_micro_batches_count_tokens_without_padding():
     """With padding_free the token budget counts each row's own tokens: every row once, longest completion first,
     within the budget and the row cap (a row over the budget alone), fewer micro-batches than padded for the same
@@ -237,10 +278,39 @@ def test_the_speed_flags_refuse_in_one_line_where_they_cannot_work(monkeypatch):
     with pytest.raises(SystemExit, match="--liger-kernel needs liger-kernel: pip install liger-kernel"):
         use_liger_kernels(model, "cuda")
     assert padding_free_attention(model, "cpu") == "sdpa"  # with the block-diagonal mask: nothing to change
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # on CUDA without flash-attn: torch's flex attention
-    assert padding_free_attention(model, "cuda") == "flex_attention"
     with pytest.raises(SystemExit, match="--torch-compile: .* has no decoder `layers`"):
         compile_decoder_layers(SimpleNamespace(get_decoder=lambda: torch.nn.Linear(2, 2), __class__=object))
+
+
+def test_padding_free_on_cuda_without_flash_attn_runs_padded_after_one_warning_line(monkeypatch, capsys):
+    """On CUDA without flash-attn, --padding-free keeps the model's attention and says so in one line, once per
+    process (not per model: the reference model is set up too); the policy's forward then runs the padded path, the
+    same log-probs bit for bit (the device check of `packs` answered as on CUDA). With a varlen attention it packs."""
+    import common.kernels
+    import common.logprobs
+
+    model = tiny_qwen2()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
+    monkeypatch.setattr(common.kernels, "_warned", False)
+    assert padding_free_attention(model, "cuda") == "sdpa"
+    assert padding_free_attention(tiny_qwen2(), "cuda") == "sdpa"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --padding-free") and "pip install flash-attn" in err[0]
+    assert common.kernels.packs(model, "cpu") and not common.kernels.packs(model, "cuda")
+    varlen = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert common.kernels.packs(varlen, "cuda")
+
+    monkeypatch.setattr(common.logprobs, "packs", lambda lm, device: common.kernels.packs(lm, "cuda"))
+    packed_calls = []
+    original = TokenLogProbs._packed
+    monkeypatch.setattr(TokenLogProbs, "_packed", lambda self, *a: packed_calls.append(1) or original(self, *a))
+    ids, attn = packed_batch()
+    got = TokenLogProbs(model, chunk_size=3, padding_free=True)(ids, attn, 4, 0.7)
+    want = TokenLogProbs(model, chunk_size=3)(ids, attn, 4, 0.7)
+    assert not packed_calls and all(torch.equal(g, w) for g, w in zip(got, want))
+    monkeypatch.setattr(common.logprobs, "packs", lambda lm, device: True)  # a varlen attention: packed
+    TokenLogProbs(model, chunk_size=3, padding_free=True)(ids, attn, 4, 0.7)
+    assert packed_calls
 
 
 def cuda_step(model, padding_free=False, autocast=True):
@@ -295,17 +365,63 @@ def test_liger_kernels_on_cuda_give_the_same_log_probs_and_gradient(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention"])
+def test_the_critic_with_liger_and_padding_free_on_cuda_is_as_close_to_fp32_as_bf16():
+    """The critic's speed paths on CUDA (what build_critic applies with --liger-kernel --padding-free: Liger's kernels,
+    flash-attn's varlen attention where installed, else padded), under bf16 autocast: its values and gradients as close
+    to the fp32 result as the model's own bf16 computation, tensor by tensor."""
+    pytest.importorskip("liger_kernel")
+    from common.critic import TokenValues
+
+    model = test_families.tiny("qwen2").float().cuda().train()
+    ids, attn = (t.cuda() for t in packed_batch())
+    mask = attn[:, 4:].bool()
+    upstream = torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)).cuda() * mask
+    head = torch.randn(1, SMALL["hidden_size"], generator=torch.Generator().manual_seed(5)).cuda() * 0.3
+
+    def step(padding_free=False, autocast=True):
+        critic = TokenValues(model.get_decoder(), SMALL["hidden_size"], padding_free=padding_free).cuda()
+        with torch.no_grad():
+            critic.value_head.weight.copy_(head)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            values = critic(ids, attn, 4)
+        (values * upstream).sum().backward()
+        return values[mask], {n: p.grad.float() for n, p in critic.named_parameters()}
+
+    exact_v, exact = step(autocast=False)
+    own_v, own = step()
+    module = vars(sys.modules[type(model).__module__])  # Liger swaps classes in it: restored after
+    saved = dict(module)
+    try:
+        use_liger_kernels(model, "cuda")
+        padding_free_attention(model, "cuda")
+        got_v, got = step(padding_free=True)
+    finally:
+        module.update(saved)
+    assert_as_close_as_bf16(got_v, own_v, exact_v, "values")
+    for name in exact:
+        assert_as_close_as_bf16(got[name], own[name], exact[name], name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flex_attention", "sdpa"])
 def test_padding_free_with_a_varlen_attention_on_cuda_gives_the_padded_result(attention, monkeypatch):
-    """flash-attn's varlen kernel, or torch's flex attention without flash-attn, on the packed rows
-    (padding_free_attention) against sdpa on the padded batch."""
+    """flash-attn's varlen kernel (padding_free_attention), or torch's flex attention set by hand, on the packed rows
+    against sdpa on the padded batch; without flash-attn (sdpa) the padded path itself."""
+    import common.kernels
+
     if attention == "flash_attention_2":
         pytest.importorskip("flash_attn")
     else:
         monkeypatch.setitem(sys.modules, "flash_attn", None)
     model = test_families.tiny("qwen2").float().cuda().train()
     want_lp, want = cuda_step(model)
-    assert padding_free_attention(model, "cuda") == attention
+    padding_free_attention(model, "cuda")
+    if attention == "flex_attention":
+        model.set_attn_implementation("flex_attention")
+    assert model.config._attn_implementation == attention
+    assert common.kernels.packs(model, "cuda") == (attention != "sdpa")
     got_lp, got = cuda_step(model, padding_free=True)
     assert_bf16_close(got_lp, want_lp, "logps")
     for name in want:
@@ -347,3 +463,25 @@ def test_padding_free_flag_runs_a_script_with_the_same_updates(toy_assets, tmp_p
     for a, b in steps:
         assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-4, abs=1e-6)
     assert max(m.get("train/approx_kl", 0) for m in padded) > 0  # second mini-batches: the policy had moved
+
+
+def test_padding_free_without_flash_attn_on_cuda_is_resolved_to_padded(monkeypatch):
+    """start() resolves --padding-free like the other modes: on CUDA without flash-attn it is off (args.json records
+    what was asked), so the micro-batch plan counts the padding the micro-batches will hold; with flash-attn, or on a
+    CPU, it stays on."""
+    import importlib.util
+
+    import grpo
+    from common import kernels
+    from common.setup import resolve_modes
+
+    asked = grpo.Args(padding_free=True, sampler="hf", mixed_precision="no")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    got = resolve_modes(asked)
+    assert not got.padding_free and got.requested["padding_free"] is True
+    assert not kernels.packed_attention_available()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert resolve_modes(asked).padding_free
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_modes(asked).padding_free and "padding_free" not in resolve_modes(asked).requested

@@ -58,6 +58,21 @@ def brute_gae(rewards, values, mask, gamma, lams):
     return advantages, returns
 
 
+def loop_gae(rewards, values, mask, gamma, lam):
+    """The scripts' former GAE, a loop over positions right to left (verl's compute_gae_advantage_return with the
+    carry over masked positions), kept as the reference of the scan that replaced it. Tensors in and out."""
+    lam = torch.as_tensor(lam, dtype=values.dtype)
+    next_value, running = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        keep = mask[:, t] > 0
+        next_value = torch.where(keep, values[:, t], next_value)
+        running = torch.where(keep, delta + gamma * lam * running, running)
+        advantages[:, t] = running
+    return advantages, advantages + values
+
+
 def brute_whiten(advantages, mask, unbiased=False, eps=1e-8):
     """(A - mean) / sqrt(var) over the masked entries, 0 elsewhere: ORZ's var clamped at eps (population), verl's
     var + eps (unbiased)."""
@@ -125,6 +140,40 @@ def test_a_masked_span_is_skipped_whatever_its_values():
     other = values.clone()
     other[0, 2:4] = torch.tensor([-5.0, 9.0])
     assert torch.equal(ppo.compute_gae(rewards, other, mask, 1.0, 1.0)[0], adv)
+
+
+def long_rollout(seed, b=9, t=300):
+    """Rows of up to `t` tokens with masked spans of every kind: leading, interior (many, some one token long),
+    trailing padding, a row with no kept token, a row of one kept token; intermediate rewards on kept tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    mask[0] = 1
+    mask[1, : t // 6] = 0  # a masked span at the start
+    mask[2] = 0  # nothing kept
+    mask[3] = 0
+    mask[3, t // 2] = 1  # one kept token
+    mask[4:, t // 2 + 1 :] = 0  # trailing padding
+    mask[5, t // 3 : t // 2] = 0  # a long interior span
+    values = torch.rand(b, t, dtype=F64, generator=g) * 2 - 0.5
+    rewards = torch.randn(b, t, dtype=F64, generator=g) * (torch.rand(b, t, generator=g) < 0.05) * mask
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 64, 300])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (1.0, 0.0), (0.0, 1.0), (1.0, "per-row")])
+def test_gae_scan_equals_the_loop_over_positions(t, gamma, lam):
+    """The scan against the loop it replaced, in float64, on long rows with masked spans everywhere: equal to a few
+    roundings of the sums (<= 300 terms of size <= 4, added in another order: 1e-12). gamma lam = 0 (TD(0)) and per-row
+    lambdas in [0, 1] (vapo.py's policy lambda) included; float32 inputs give float32 out, within its rounding."""
+    rewards, values, mask = long_rollout(t, t=t)
+    lams = torch.linspace(0.0, 1.0, len(mask), dtype=F64) if lam == "per-row" else lam
+    got = ppo.compute_gae(rewards, values, mask, gamma, lams)
+    want = loop_gae(rewards, values, mask, gamma, lams)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    got32 = ppo.compute_gae(rewards.float(), values.float(), mask, gamma, lams)
+    assert got32[0].dtype == torch.float32
+    torch.testing.assert_close(got32[0], want[0].float(), rtol=0, atol=1e-3)
 
 
 def test_the_outcome_reward_sits_on_the_last_kept_token():

@@ -17,6 +17,7 @@ import pytest
 
 from common.sampling import vllm_available
 from tests.checks import run_scripts
+from tests.test_sandbox import bwrap_or_skip
 from tests.test_scripts import LEARN_FLAGS, ROOT, read_metrics, toy_flags
 
 LOGPROB_ATOL = 1e-4  # the canary's bound (tests/test_vllm.py)
@@ -58,6 +59,7 @@ def tool_flags(assets: dict[str, str], out: str, steps: int, **extra) -> list[st
 def tool_runs(request, tool_assets, tmp_path_factory):
     """The selected cases of test_scripts_run_with_the_tool, and the uninterrupted off-policy run the resume test
     needs, one after another in one process: {name: (out_dir, outcome)} and the runner's process."""
+    bwrap_or_skip()
     work = str(tmp_path_factory.mktemp("tool_runs"))
     items = [(getattr(it, "originalname", ""), getattr(it, "callspec", None)) for it in request.session.items]
     names = [c.params["case"] for name, c in items if name == "test_scripts_run_with_the_tool"]

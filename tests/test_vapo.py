@@ -22,7 +22,7 @@ from tests.checks import (
     run_scripts,
 )
 from tests.reference import aggregate, ppo_clip_token
-from tests.test_ppo import brute_gae, brute_whiten, rollout
+from tests.test_ppo import brute_gae, brute_whiten, long_rollout, loop_gae, rollout
 
 F64 = torch.float64
 
@@ -75,6 +75,23 @@ def test_decoupled_gae_gives_the_critic_monte_carlo_returns_and_the_policy_its_o
     torch.testing.assert_close(ret, torch.tensor(mc, dtype=F64), rtol=0, atol=1e-13)
     # lambda_critic = gamma = 1: the target of every kept token is the outcome itself, whatever V
     torch.testing.assert_close(ret[mask > 0], rewards[:, None].expand_as(ret)[mask > 0], rtol=0, atol=1e-14)
+
+
+def test_gae_scan_with_the_policys_lambdas_equals_the_loop_and_ppos_function():
+    """vapo.py's GAE is ppo.py's function, line for line, and with the length-adaptive lambda of each row (0 for
+    the short ones, up to 0.98) equals the loop over positions in float64 on long rows with masked spans."""
+    import inspect
+
+    import ppo
+
+    assert inspect.getsource(vapo.compute_gae) == inspect.getsource(ppo.compute_gae)
+    rewards, values, mask = long_rollout(7, t=1000)
+    lams = vapo.policy_lambda(mask, make_args()).to(F64)
+    assert lams.min() == 0 and lams.max() > 0.95
+    for got, want in zip(
+        vapo.compute_gae(rewards, values, mask, 1.0, lams), loop_gae(rewards, values, mask, 1.0, lams)
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
 
 
 def test_policy_loss_with_the_positive_example_lm_loss_matches_a_loop():
