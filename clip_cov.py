@@ -57,7 +57,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh (the docstring)
+    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen2.5-7B"
     max_prompt_tokens: int = 2048
     group_size: int = 8

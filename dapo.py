@@ -52,7 +52,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # §4.1, and verl's recipe run_dapo_qwen2.5_32b.sh where the paper is silent (the docstring)
+    # §4.1, and verl's recipe run_dapo_qwen2.5_32b.sh where the paper is silent (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's is Qwen2.5-32B: too big for one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, deduplicated
     dataset_config: str | None = "en"

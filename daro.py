@@ -4,32 +4,24 @@
 Paper: Zhou, Ma, Liang, Shen, Cui, Zhang 2025, https://arxiv.org/abs/2510.09001. Read for this file:
 the first author's write-up of the paper (cited "W eq. n"); the PDF and code were not available.
 
-What this algorithm changes: GRPO's token-mean loss is a sum over difficulty buckets, and DARO
-learns a weight per bucket. Completions are bucketed by their group's pass rate mu = #correct / G;
-bucket mu's loss L_mu is its share of the token-mean PPO-clip loss (W eq. 2, L = all completion
-tokens of the mini-batch), whose size depends on mu and on lengths (W eq. 3). Each bucket gets a
-weight w_mu, learnt with the policy, with a -ln w penalty so that at the optimum every bucket
-contributes equally; mu = 0 and 1 have no advantage (W eq. 4):
+What this algorithm changes: GRPO's token-mean loss becomes a sum over difficulty buckets, each with
+a learnt weight. Completions are bucketed by their group's pass rate mu = #correct / G; bucket mu's
+loss L_mu is its share of the token-mean PPO-clip loss (W eq. 2; L: the mini-batch's completion
+tokens), and a -ln w penalty makes every bucket contribute equally at the optimum; mu = 0 and 1 have
+no advantage (W eq. 4):
 
     L_DARO = sum_{mu = 1/G .. (G-1)/G} ( w_mu L_mu - ln w_mu )
     L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)
 
-With w = 1 it is GRPO with token-mean aggregation; for fixed L_mu > 0 the optimal weight is 1/L_mu.
-Well-posedness (our choice; the write-up is silent): on policy L_mu = -1/L sum_{i in mu} |o_i| A_i
-is often ~0 or negative, where min_w (w L_mu - ln w) has no minimum. So w is fitted to a positive
-stand-in on the same scale, the advantage mass M_mu = 1/L sum_{i: mu_i = mu} |o_i| |A_i|: before
-each policy step (the gradient of sum_mu w_mu L_mu, w detached), s_mu = ln w_mu takes one step of
-its own optimizer (--daro-w-optimizer, --daro-w-lr) on sum_mu (exp(s_mu) M_mu - s_mu) over the
-buckets present, clamped to [ln w_min, ln w_max]: the optimum is w_mu M_mu = 1. --daro-w-target
-loss fits the write-up's w_mu L_mu = 1 (L_mu at r = 1, floored at --daro-loss-floor x M_mu);
---daro-w-normalize scales the step's weights to mean 1 (docs/algorithms.md "DARO's weights"). M_mu
-and the bucket counts are all-reduced over ranks; w starts at 1 and is checkpointed.
-
-Defaults. From the write-up: token-mean base loss (W eq. 2), no KL, a symmetric clip, mu = 0, 1
-excluded, 128 prompts per step. Our choices: G = 8; Qwen2.5-Math-1.5B (one of the paper's models);
-MATH; lr 1e-6, eps = 0.2, 1024 new tokens; one update per rollout; w from 1, SGD at lr 0.1, bounds
-[1e-3, 1e3]. As in grpo.py: std unbiased, eps_std = 1e-6, --reward-format auto,
---rollout-correction (on with vLLM) weights each token's term.
+With w = 1 it is GRPO with a token mean; for a fixed L_mu > 0 the optimal weight is 1/L_mu. Our
+choice (the write-up is silent): on policy L_mu = -1/L sum_{i in mu} |o_i| A_i is often ~0 or
+negative, where min_w (w L_mu - ln w) has no minimum, so w is fitted to the advantage mass
+M_mu = 1/L sum_{i in mu} |o_i| |A_i| > 0: before each policy step s_mu = ln w_mu takes one step of
+its own optimizer on sum_mu (exp(s_mu) M_mu - s_mu), clamped to [ln w_min, ln w_max], whose optimum
+is w_mu M_mu = 1 (--daro-w-target loss: the write-up's w_mu L_mu = 1, floored; docs/algorithms.md,
+"DARO's weights"). M_mu and the bucket counts are all-reduced over ranks; w starts at 1 and is
+checkpointed. Defaults: docs/algorithms.md. As grpo.py: the std, --reward-format auto,
+--rollout-correction (on with vLLM) weighting each token's term.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -60,7 +52,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the write-up's 128 prompts per step; G = 8 our choice (the docstring)
+    # the write-up's 128 prompts per step; G = 8 our choice
     group_size: int = 8  # G - 1 weighted pass-rate buckets 1/G .. (G-1)/G
     prompts_per_step: int = 128
 
@@ -80,8 +72,7 @@ class Args(SharedArgs):
     daro_w_max: float = 1e3
     """upper bound of every w_mu (keeps w finite when a bucket's loss is ~0)"""
     daro_w_target: Literal["mass", "loss"] = "mass"
-    """w_mu -> 1/target: mass, the bucket's advantage mass M_mu (> 0); loss, its loss L_mu at r = 1,
-    floored at --daro-loss-floor x M_mu (the write-up's w L = C)"""
+    """w_mu -> 1/target: mass, the advantage mass M_mu; loss, L_mu at r = 1, floored (w L = C)"""
     daro_loss_floor: float = 0.1
     """--daro-w-target loss: L_mu floored at this fraction of M_mu (so -ln w_mu is bounded)"""
     daro_w_normalize: bool = False
@@ -104,13 +95,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 
 def pass_rate_bucket(correct: torch.Tensor, args: Args) -> torch.Tensor:
     """Each completion's bucket c = #correct in its group, pass rate mu = c / G (W "Idea"). correct:
-    [N], groups contiguous; returns [N] long in 0..G. Buckets 0 and G get no weight and no loss."""
+    [N], groups contiguous; returns [N] long in 0..G."""
     return (correct.view(-1, args.group_size) > 0).sum(1).repeat_interleave(args.group_size)
 
 
 def bucket_from_advantages(advantages: torch.Tensor, args: Args) -> torch.Tensor:
-    """The same buckets read off whole groups' advantages: with 0/1 rewards the completions with
-    A > 0 are the correct ones; a zero-variance group (mu = 0 or 1) gets 0."""
+    """The same buckets from whole groups' advantages: with 0/1 rewards A > 0 marks the correct
+    completions (mu = 0 or 1: 0)."""
     return (advantages.view(-1, args.group_size) > 0).sum(1).repeat_interleave(args.group_size)
 
 
@@ -122,10 +113,9 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(adv, bucket, mask, args, num_tokens=None, old_logps=None, rollout_logps=None):
-    """[3, G+1] float64: M_mu = 1/L sum_{i in mu} |o_i| |A_i| (w is fitted to it); the sequences of
-    bucket mu; L_mu at r = 1, -1/L sum_{i in mu} A_i sum_t rc_it (rc: the rollout correction's weight,
-    1 without old_logps). With the mini-batch's num_tokens each row adds up over micro-batches and
-    ranks (row 1 / world size)."""
+    """[3, G+1] float64, per bucket: M_mu, the sequences, L_mu at r = 1 (each token weighted by the
+    rollout correction; 1 without old_logps). With the mini-batch's num_tokens the rows add up over
+    micro-batches and ranks (the sequences / world size)."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     rc = 1.0 if old_logps is None else rollout_correction(old_logps, rollout_logps, mask, args)[0]
@@ -136,16 +126,15 @@ def bucket_mass(adv, bucket, mask, args, num_tokens=None, old_logps=None, rollou
 
 def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> torch.Tensor:
     """[G+1] w_mu -> 1/target_mu: M_mu (--daro-w-target mass), or L_mu at r = 1 floored at
-    --daro-loss-floor x M_mu (loss: the floor keeps the target > 0, so -ln w is bounded)."""
+    --daro-loss-floor x M_mu (loss)."""
     if args.daro_w_target == "mass":
         return mass
     return torch.maximum(onpolicy_loss, args.daro_loss_floor * mass)
 
 
 class DaroWeights:
-    """The learnable bucket weights w_mu = exp(s_mu), c = 0..G (0 and G unused), and their own
-    optimizer. They live across steps; accelerate checkpoints them (state_dict / load_state_dict).
-    float64: ranks that step on the same all-reduced inputs stay identical."""
+    """The bucket weights w_mu = exp(s_mu), c = 0..G (0 and G unused), with their own optimizer,
+    checkpointed by accelerate. float64: ranks stepping on the same inputs stay identical."""
 
     def __init__(self, args: Args, device: torch.device | str = "cpu"):
         self.group_size = args.group_size
@@ -163,7 +152,7 @@ class DaroWeights:
 
     def step(self, mass: torch.Tensor, present: torch.Tensor) -> None:
         """One step on sum_mu (exp(s_mu) M_mu - s_mu) over the present buckets 0 < mu < 1, then s
-        clamped to the bounds (W eq. 4, M for L). Absent buckets keep their weight. No host sync."""
+        clamped to the bounds; absent buckets keep their weight. No host sync."""
         present = present & self.interior
         with torch.enable_grad():
             objective = torch.where(present, self.log_w.exp() * mass - self.log_w, 0.0).sum()

@@ -61,7 +61,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the authors' verl script run_qwen30b_dppo.sh (the docstring); grpo.py's evaluation
+    # the authors' verl script run_qwen30b_dppo.sh (docs/algorithms.md); grpo.py's evaluation
     model_name_or_path: str = "Qwen/Qwen3-8B-Base"  # the paper's 30B-A3B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, as dapo.py loads it
     dataset_config: str | None = "en"

@@ -6,30 +6,23 @@ the clip range e^(+-0.4): section 3 (ii) and Table 5. Official code: callsys/GMP
 (train_zero_math_gmpo.py, scripts/qwen2.5-math-7b-gmpo.sh) on the oat framework, as Dr. GRPO's.
 
 What this algorithm changes vs GRPO: a sequence's objective is the geometric mean of its tokens'
-clipped ratios, not their arithmetic mean, so a token with an outlier ratio moves it by its
-|o_i|-th root rather than linearly. PPO's pessimistic min is taken per token in log space, before
-the mean, with a wider clip range on log r; a sequence's term is A_i times the mean's exponential:
+clipped ratios, not their arithmetic mean, so an outlier token moves it by its |o_i|-th root rather
+than linearly. PPO's pessimistic min is taken per token in log space, before the mean, with a wider
+clip range; on-policy the gradient is GRPO's:
 
     J = E[ 1/G sum_i A_i exp( 1/|o_i| sum_t c_it ) ],  d_it = log(pi / pi_old)(o_it | q, o_i,<t)
     c_it = min(d_it, clip(d_it, -eps_low, eps_high)) if A_i > 0, else max(d_it, clip(d_it, ...))
     A_i = (R_i - mean_g R) / (std_g R + eps)                      (official: --critic_type grpo)
+    dJ / dlog pi_it = A_i exp(1/|o_i| sum_t c_it) / (G |o_i|) if the token is unclipped, else 0
 
-An unclipped token's gradient is A_i exp(mean_t c_it) grad log pi_it / (G |o_i|), weighted by the
-sequence's geometric-mean ratio (GRPO: by its own ratio); a clipped token gets none; on-policy it is
-GRPO's. Defaults: the official qwen2.5-math-7b-gmpo.sh: Qwen2.5-Math-7B, the Qwen-Math template
-(qwen-boxed), G = 8, 128 prompts per step, 3000 new tokens, prompts up to 1024 tokens, lr 1e-6
-constant, temperature 1, top_p 1, clip range 0.4 in log space (CLIPRANGE; r in [0.67, 1.49]),
-beta = 0, one epoch of 8 optimizer steps (train_batch_size 128 of 1024 samples), evaluation at
-temperature 0.6, top_p 0.95, 16 samples, 3000 tokens (its --eval flags; eval.sh and the paper's
-section 4.1: greedy). Its data,
-MATH levels 3-5 (math_lvl3to5_8k, in the repo, no hub id), can be exported to .jsonl for
---dataset-name; the default is dr_grpo.py's hiyouga/math12k (MATH train+test minus MATH-500). Not
+Defaults: the official qwen2.5-math-7b-gmpo.sh (docs/algorithms.md), but its data, MATH levels 3-5,
+has no hub id (export it to .jsonl for --dataset-name): dr_grpo.py's hiyouga/math12k instead. Not
 reproduced: the official zero reward of a truncated completion (dr_grpo.py has it), oat's Adam
-betas (0.9, 0.95) and std eps 1e-8 (ours 1e-6), its evaluation suite. Choices: a sequence without
-tokens contributes 0; beta > 0 adds a k3 KL averaged over each sequence's tokens (official code,
-TRL); log-ratios are not clamped (official code, verl, TRL). Not from the paper: the \\boxed{}
-verifier, --rollout-correction (on with vLLM): the geometric mean of its token weights over the
-sequence, detached (verl's geo_mean), weights the sequence, so a *-mask zero drops it.
+betas (0.9, 0.95), its std eps 1e-8 (ours 1e-6) and evaluation suite. Our choices: a sequence
+without tokens contributes 0; beta > 0 adds a k3 KL averaged over each sequence's tokens (official
+code, TRL); log-ratios are not clamped (official code, verl, TRL); the \\boxed{} verifier;
+--rollout-correction (on with vLLM) weights each sequence by the geometric mean of its token
+weights, detached (verl's geo_mean), so a *-mask zero drops it.
 
     accelerate launch gmpo.py                                  # the paper setting, on GPUs
     python gmpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -58,7 +51,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official scripts/qwen2.5-math-7b-gmpo.sh (the docstring)
+    # the official scripts/qwen2.5-math-7b-gmpo.sh
     model_name_or_path: str = "Qwen/Qwen2.5-Math-7B"
     dataset_name: str = "hiyouga/math12k"  # dr_grpo.py's (the script's data is not on the hub)
     answer_column: str = "answer"

@@ -3,26 +3,20 @@
 
 Paper: Zheng et al. 2025 (Qwen), https://arxiv.org/abs/2507.18071 (v2).
 
-What this algorithm changes vs GRPO: the importance ratio is the sequence's, not the token's. Each
-completion gets one length-normalised ratio s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|), the
-geometric mean of its token ratios, and PPO's clip is applied to s_i, so a whole sequence is kept or
-dropped (§4.1). There is no KL term and no reference model. We implement the GSPO-token form (§4.3),
-in which every token carries the value of its sequence's ratio but the gradient of its own log-prob;
-with one advantage per sequence its value and gradient equal GSPO's (eq. 5), averaged per sequence
-then over sequences as in GRPO:
+What this algorithm changes vs GRPO: the importance ratio is the sequence's, not the token's: s_i,
+the geometric mean of its token ratios, is clipped, so a whole sequence is kept or dropped (§4.1).
+No KL term, no reference model. This is the GSPO-token form (§4.3): every token carries its
+sequence's ratio as value and its own log-prob's gradient, which with one advantage per sequence is
+GSPO (eq. 5); averaged per sequence, then over sequences, as GRPO:
 
     J = E[ 1/G sum_i 1/|y_i| sum_t min(s_it A_i, clip(s_it, 1-eps_low, 1+eps_high) A_i) ]  (eq. 13)
     s_it = sg[s_i] pi(y_it) / sg[pi(y_it)], s_i = exp(1/|y_i| sum_t log(pi / pi_old)(y_it))  (14, 7)
-    A_i = (R_i - mean_g R) / (std_g R + eps)                                                  (eq. 6)
+    A_i = (R_i - mean_g R) / (std_g R + eps)                                               (eq. 6)
 
-On the first mini-batch of a rollout s_i = 1 and the update is GRPO's (beta = 0); GSPO differs only
-when updates are off-policy, so a rollout is split into several mini-batches by default. Defaults
-from the paper (§5.1): clip ranges eps_low = 3e-4, eps_high = 4e-4 (left/right of eq. 5); 4
-mini-batches per rollout; no KL. The paper trains a cold-start model from Qwen3-30B-A3B-Base on
-unreleased data and gives no learning rate, group size or lengths: those are grpo.py's. Choices the
-paper leaves open: std unbiased, eps_std = 1e-6, A = 0 for a zero-variance group (as grpo.py); log
-s_i not clamped (verl clamps it at 10). Not from the paper: the \\boxed{} verifier of qwen-boxed
-(--reward-format auto), --rollout-correction (on with vLLM), which weights each token's term.
+On a rollout's first mini-batch s_i = 1 and the update is GRPO's (beta = 0), hence several
+mini-batches. Defaults: §5.1 (docs/algorithms.md); the paper gives no learning rate, group size or
+lengths, so those are grpo.py's. Our choices: as grpo.py (the std, A = 0, the verifier); log s_i is
+not clamped (verl clamps it at 10); --rollout-correction (on with vLLM) weights each token's term.
 
     accelerate launch gspo.py                                  # the paper setting, on GPUs
     python gspo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -88,7 +82,7 @@ def compute_policy_loss(
     ref_logps: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token loss (eq. 13-14): -1/G sum_i 1/|y_i| sum_t min(s_it A, clip(s_it) A), s_it as above.
+    """GSPO-token loss (eq. 13-14): -1/G sum_i 1/|y_i| sum_t min(s_it A, clip(s_it) A).
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
     mini-batch's normalisers (default: this batch's), so its micro-batches add up."""

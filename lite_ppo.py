@@ -2,30 +2,23 @@
 """LitePPO: critic-free vanilla PPO with group-mean / batch-std advantages and a token-level loss.
 
 Paper: "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al. 2025,
-https://arxiv.org/abs/2508.08221 (Alibaba; run on the ROLL framework: norm_mean_type group,
-norm_std_type batch, token_level_loss true).
+https://arxiv.org/abs/2508.08221 (on the ROLL framework: norm_mean_type group, norm_std_type batch,
+token_level_loss true).
 
-What this algorithm changes vs GRPO: two of the paper's tricks and nothing else. (1) Advantages:
-the baseline is still the group mean, but the scale is the std of ALL rewards of the rollout batch
-(every prompt, every rank), not the group's own std, which with 0/1 rewards blows up nearly
-all-right or all-wrong groups ("group mean + batch std is the most robust"). (2) A token-level loss:
-the PPO terms are averaged over all tokens of the mini-batch, so every token weighs the same. The
-per-token term is PPO's symmetric clip; no KL (no reference model), no clip-higher, no overlong
-filtering or dynamic sampling:
+What this algorithm changes vs GRPO: two of the paper's tricks and nothing else. (1) The advantage's
+baseline is still the group mean, but its scale is the std of all the rollout's rewards (every
+rank), not the group's, which with 0/1 rewards blows up nearly all-right or all-wrong groups. (2) A
+token-level loss: every token of the mini-batch weighs the same. PPO's symmetric clip; no KL, no
+clip-higher, no overlong filtering or dynamic sampling:
 
     A_i = (R_i - mean_{j in group(i)} R_j) / (std_{all j in the batch} R_j + eps)
     J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]
 
-Defaults from the paper's setup: a Qwen3 base model (the paper: Qwen3-4B/8B, Base and aligned;
-LitePPO's gains are on the Base models; 4B is our choice), 128 prompts x 8 responses per rollout, a
-global batch of 1024 (one optimizer step per rollout), one PPO epoch, lr 1e-6, 8k response length,
-temperature 0.99 and top_p 0.99 (the paper's top_k 100 is not exposed), clip 0.2, no KL; eps = 1e-6
-as in ROLL. Choices the paper leaves open: the training set is zwhe99/DeepMath-103K (the source of
-the paper's unreleased Medium and Hard 5k sets); the Qwen-Math "\\boxed{}" prompt; the batch std is
-the unbiased std of every rank's rewards, as ROLL and TRL (torch.std); TRL reads the batch sizes as
-8 optimizer steps per rollout (--num-mini-batches 8). Not from the paper: the \\boxed{} verifier of
-the qwen-boxed template (--reward-format auto), --rollout-correction (TRL / verl; on with vLLM; with
-top_p 0.99 its weights sit slightly below 1: docs/algorithms.md "Rollout correction").
+Defaults: the paper's setup (docs/algorithms.md). Our choices: Qwen3-4B-Base (the paper: Qwen3-4B
+and 8B, Base and aligned); zwhe99/DeepMath-103K, the source of the paper's unreleased Medium and
+Hard sets; the qwen-boxed prompt and verifier; the unbiased batch std over every rank (ROLL, TRL);
+the paper's top_k 100 is not exposed. Not from the paper: --rollout-correction (on with vLLM),
+whose weights sit slightly below 1 at top_p 0.99 (docs/algorithms.md, "Rollout correction").
 
     accelerate launch lite_ppo.py                                  # the paper setting, on GPUs
     python lite_ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -54,7 +47,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the paper's setup (the docstring; ROLL's norm_mean_type group, norm_std_type batch)
+    # the paper's setup (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen3-4B-Base"  # the paper: Qwen3-4B/8B, Base and aligned
     dataset_name: str = "zwhe99/DeepMath-103K"  # the source of the paper's Medium and Hard sets
     prompt_column: str = "question"
@@ -83,10 +76,9 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_batch R + eps): group-mean baseline, batch-std scale. rewards:
-    [N], this rank's share, groups contiguous. The std is over the rewards of every rank (gathered
-    when torch.distributed is initialised; all ranks hold the same number), unbiased as torch.std
-    (ROLL, TRL). A group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_batch R + eps). rewards: [N], this rank's share, groups
+    contiguous; the std is unbiased, over every rank's rewards (all ranks hold as many). A group
+    whose rewards are all equal gets A = 0."""
     r = rewards.view(-1, args.group_size)
     everything = rewards
     if (

@@ -57,7 +57,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node (the docstring)
+    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen2.5-Math-7B"
     dataset_name: str = "agentica-org/DeepScaleR-Preview-Dataset"
     answer_column: str = "answer"

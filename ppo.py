@@ -69,7 +69,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(CriticArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py (the docstring); the critic's defaults are ORZ's
+    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py (docs/algorithms.md); the critic's defaults are ORZ's
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # §3.1 (32B too)
     prompt_template: PromptTemplate = "r1"  # the code's zero_setting_base.py: <think>/<answer>
     max_prompt_tokens: int = 2048  # the code's prompt_max_len

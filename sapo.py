@@ -1,35 +1,23 @@
 # docs and results: README.md#the-algorithms
 """SAPO: Soft Adaptive Policy Optimization.
 
-Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347, eqs. (5)-(6) as the notes quoting
-its v2 number them (its full text was not available to us). No official code: the loss as verl,
-TRL, SkyRL and AReaL implement it (identically, up to the aggregation).
+Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347, eqs. (5)-(6) of v2 (its full text
+was not available to us: numbers and defaults unchecked). No official code: the loss as verl, TRL,
+SkyRL and AReaL implement it (identically, up to the aggregation).
 
-What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth, temperature-controlled gate
-on each token's ratio. GRPO drops a token's gradient once its ratio leaves [1 - eps, 1 + eps] in the
-advantage's direction; SAPO keeps every token and scales its gradient down smoothly as r moves away
-from 1, faster for negative advantages (tau_neg > tau_pos). The gate is normalised by 4 / tau, so
-its slope at r = 1 is 1 for any tau: on-policy, SAPO's gradient is GRPO's. No clip, no KL term; the
-aggregation is GRPO's per-sequence token mean:
+What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth gate on each token's ratio: a
+token's gradient is scaled down as r moves away from 1, never dropped, faster for negative
+advantages (tau_neg > tau_pos). The gate's 4 / tau gives it slope 1 at r = 1: on-policy SAPO is
+GRPO, hence several optimizer steps per rollout. No clip, no KL; GRPO's per-sequence token mean:
 
     J = E[ 1/G sum_i 1/|o_i| sum_t f(r_it) A_i ],  f(r) = sigmoid(tau (r - 1)) 4 / tau
     tau = tau_pos if A_i > 0 else tau_neg,  A_i = (R_i - mean_g R) / (std_g R + eps)
     d [f(r) A] / d log pi = w r A,  w = 4 s (1 - s),  s = sigmoid(tau (r - 1))  (w = 1 at r = 1)
 
-SAPO differs from GRPO only once r != 1: with one update per rollout r = 1 and the two take the same
-step, so the default splits each rollout into 8 optimizer steps, as verl's Qwen3-30B-A3B SAPO
-example (256 prompts in mini-batches of 32; the notes on the paper give 4 for its section 5.1).
-Defaults: tau_pos = 1.0, tau_neg = 1.05, the values verl (actor.yaml: "default values used in the
-paper with Qwen3-30B-A3B-Base"), TRL (docs: "the paper's setting"), SkyRL and AReaL ship as the
-paper's, and the notes on its section 5.1 (its text was not available to check); the paper trains
-Qwen3-30B-A3B-scale MoE models (and Qwen3-VL), so the model, data, group size, batch, lr and
-lengths are grpo.py's, the mini-batches verl's; no KL (beta = 0; verl's SAPO
-example: use_kl_loss=False). Choices: the log-ratio is clamped to +-20 before exp (verl, SkyRL; the
-gate is flat there), so r never overflows; A = 0 takes tau_neg (all peers; its term is 0); std
-unbiased, eps_std = 1e-6, A = 0 for a zero-variance group (grpo.py). Not from the paper: the
-\\boxed{} verifier of qwen-boxed (--reward-format auto), --rollout-correction (on with vLLM), which
-weights each token's policy term (as verl and SkyRL), never the k3 KL term that --beta > 0 adds
-inside the same average (grpo.py's).
+Defaults: docs/algorithms.md. Our choices: the log-ratio clamped to +-20 before exp (verl, SkyRL;
+the gate is flat there); A = 0 takes tau_neg (all peers; its term is 0); the std and the verifier
+as grpo.py; --rollout-correction (on with vLLM) weights each token's policy term (as verl and
+SkyRL), never the k3 KL term that --beta > 0 adds (grpo.py's).
 
     accelerate launch sapo.py                                  # the paper setting, on GPUs
     python sapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -58,7 +46,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # verl's Qwen3-30B-A3B SAPO example: 256 prompts in mini-batches of 32 (the docstring)
+    # verl's Qwen3-30B-A3B SAPO example: 256 prompts in mini-batches of 32
     num_mini_batches: int = 8  # with 1, SAPO is GRPO
 
     # Algorithm specific arguments
@@ -110,8 +98,8 @@ def compute_policy_loss(
     log_ratio = (logps - old_logps).clamp(-20.0, 20.0)  # verl, SkyRL: exp never overflows
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    # filled in the log-probs' dtype on their device (Python floats in torch.where round tau to fp32,
-    # new_tensor copies from the host at every micro-batch)
+    # tau in the log-probs' dtype, on their device: torch.where rounds a Python float to fp32,
+    # new_tensor copies from the host at every micro-batch
     tau_pos = torch.full_like(adv, args.sapo_tau_pos, dtype=ratio.dtype)
     tau = torch.where(adv > 0, tau_pos, torch.full_like(tau_pos, args.sapo_tau_neg))
     gate_s = torch.sigmoid(tau * (ratio - 1))
