@@ -3,7 +3,8 @@
 
 Paper: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
 Models", https://arxiv.org/abs/2505.22617 (v1), section 4.2, eqs. (10)-(14) and Listing 1 (which
-adds the PPO clip to eq. (12)); hyperparameters: section 4.3. Code: PRIME-RL/Entropy-Mechanism-of-RL.
+adds the PPO clip to eq. (12)); hyperparameters: section 4.3. Official code:
+PRIME-RL/Entropy-Mechanism-of-RL.
 
 What this algorithm changes vs GRPO: entropy collapses while log pi and A covary, so a tiny share of
 the highest-covariance tokens leaves the update (Clip-Cov) or is held near pi_old (KL-Cov), as the
@@ -16,17 +17,11 @@ mini-batch's N tokens, r = pi / pi_old and A_i = (R_i - mean_g R) / (std_g R + e
     kl:   L = 1/N sum_it [-A_i r_it + coef 1[it in S] |log r_it|]    (no clip; |log r|: the KL)
           S: the max(1, int(kl_cov_ratio N)) tokens of largest Cov
 
-S is chosen once per mini-batch over all ranks, at the policy its update starts from (the official
-code chooses it per micro-batch, so it depends on the split); the draw keeps the candidates of
-smallest key, i.i.d. uniform per token from (seed, step, epoch, mini-batch, rank). Defaults: the
-official 7B recipes (recipe/dapo/7b_clip_cov.sh, 7b_kl_cov.sh): Qwen2.5-7B, G = 8, 256 prompts per
-step in 8 mini-batches, lr 5e-7, 2048 prompt and 8192 new tokens, beta 0; Clip-Cov: eps 1 / 1, ratio
-2e-4, band (1, 5); KL-Cov: coef 1, k_percent 0.2 = ratio 2e-3 (32B: 2e-4). Not here (dapo.py has
-them): the recipes' dynamic sampling (on) and overlong reward (off); their clip_ratio_c is unused by
-both losses. Data: DAPO-MATH (section 4.3) in the authors' own files (\\boxed{} answers, 0/1 reward),
-not on the hub, so grpo.py's MATH. Choices: std
-unbiased, eps_std = 1e-6, ties at the k-th value broken by the keys; --rollout-correction (not from
-the paper) weights the policy term.
+Our choices: S is chosen once per mini-batch over all ranks, at the policy its update starts from
+(the official code: per micro-batch, so S depends on the split), by i.i.d. uniform keys per token
+that also break ties at the k-th value; std unbiased, eps_std = 1e-6; --rollout-correction (on with
+vLLM) weights the policy term. Defaults: the official 7B recipes (docs/algorithms.md), but grpo.py's
+MATH (the paper's DAPO-MATH files are not on the hub) and no dynamic sampling (dapo.py has it).
 
     accelerate launch clip_cov.py                              # the 7B recipe, on GPUs
     python clip_cov.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
@@ -57,7 +52,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh (docs/algorithms.md)
+    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh
     model_name_or_path: str = "Qwen/Qwen2.5-7B"
     max_prompt_tokens: int = 2048
     group_size: int = 8
@@ -105,11 +100,10 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 
 
 def select_tokens(now, old, advantages, mask, args: Args, keys) -> torch.Tensor:
-    """S, [N, C] bool: `now` the log-probs of the policy the mini-batch's update starts from,
-    `mask` this rank's tokens of it, `keys` i.i.d. uniform per token. Cov in float64, over all
-    ranks; kl: the k largest Cov; clip: the k candidates of smallest key (the official randperm's
-    distribution). Ties at the k-th value (the same token after the same prefix in completions of
-    equal reward) are broken by smallest key, so exactly k are selected."""
+    """S, [N, C] bool, over all ranks: kl, the k largest Cov (float64); clip, the k candidates of
+    smallest key (the official randperm's distribution). now: the log-probs the mini-batch's update
+    starts from; mask: this rank's tokens of it; keys: i.i.d. uniform per token, which also break
+    ties at the k-th value, so exactly k are selected."""
 
     def kth_largest(x, k):  # over all ranks, each sending its k largest
         return batching.global_cat(x.flatten().topk(min(k, x.numel())).values).topk(k).values[-1]

@@ -6,11 +6,11 @@ https://arxiv.org/abs/2602.04879 (v3), section 4.3, eq. (12), binary TV / KL eqs
 gradient form eq. (23) (App. C.1). Official code: sail-sg/Stable-RL (compute_policy_loss_with_mask).
 
 What this algorithm changes vs GRPO: the ratio is to the behaviour policy mu, the sampler's own
-log-probs (vLLM's or HF generate's; with --off-policy-steps K, the policy of K steps ago), and PPO's
-ratio clip becomes a mask on a divergence D of the binary distribution {sampled token, the rest}: a
-token loses its gradient only when D exceeds delta AND it moved in its advantage's direction (p >
-p_mu for A > 0, p < p_mu for A <= 0), never when it moved back towards mu. As the official code
-computes it, with p = pi(o_it), p_mu = mu(o_it), and M and the weight at the detached current pi:
+log-probs (with --off-policy-steps K, the policy of K steps ago), and PPO's ratio clip becomes a
+mask on a divergence D of the binary distribution {sampled token, the rest}: a token loses its
+gradient only when D exceeds delta AND it moved in its advantage's direction (p > p_mu for A > 0,
+p < p_mu for A <= 0). As the official code computes it, with p = pi(o_it), p_mu = mu(o_it), and M
+and the weight at the detached current pi:
 
     L = -1/(N L_max) sum_i sum_t M_it sg(min(pi_it / mu_it, C)) A_i log pi_it
     D = |p - p_mu|                                                   --dppo-divergence binary-tv
@@ -19,18 +19,10 @@ computes it, with p = pi(o_it), p_mu = mu(o_it), and M and the weight at the det
 
 pi/mu is the whole importance weight, so --rollout-correction is not applied on top (explicit modes
 are refused); rows the sampler did not produce (--gt-injection, --replay) take mu = old_logps. With
---top-p < 1 the sampler's log-probs are renormalised over the nucleus: p_mu is inflated and the
-masks see a systematic divergence (keep top_p = 1).
-
-Defaults from the authors' verl script, examples/dppo_trainer/run_qwen30b_dppo.sh as PR #5397 added
-it (verl 182383bb; b8d91ef8 fixed its loss scale): mu = the rollout policy (bypass_mode=True, §5.2;
-the later run_qwen3_30b_a3b_megatron.sh has no bypass setting), delta 0.15 for TV
-(0.05 for KL), C off (1e4 there), no KL, seq-mean-token-sum-norm (L_max = --max-new-tokens),
-DAPO-Math-17k (as dapo.py loads it), G=16, 256 prompts per step in 8 mini-batches, 8192 new tokens,
-lr 1e-6; delta and C as the paper's App. C.1 (its scaling runs, App. E: delta_TV 0.2 and C = 5,
---dppo-delta-low 0.2 --dppo-delta-high 0.2 --dppo-is-cap 5). Our choices: Qwen3-8B-Base (the
-paper's Qwen3-30B-A3B-Base MoE does not fit one node); grpo.py's evaluation (the authors': AIME
-2024). Not implemented: the Top-K divergence.
+--top-p < 1, p_mu is renormalised over the nucleus and the masks see a systematic divergence (keep
+top_p = 1). Defaults: the authors' verl script (docs/algorithms.md). Our choices: Qwen3-8B-Base
+(the paper's Qwen3-30B-A3B-Base does not fit one node); grpo.py's evaluation. Not implemented: the
+Top-K divergence.
 
     accelerate launch dppo.py                                  # the paper setting, on GPUs
     python dppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -61,7 +53,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the authors' verl script run_qwen30b_dppo.sh (docs/algorithms.md); grpo.py's evaluation
+    # the authors' verl script run_qwen30b_dppo.sh; grpo.py's evaluation
     model_name_or_path: str = "Qwen/Qwen3-8B-Base"  # the paper's 30B-A3B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, as dapo.py loads it
     dataset_config: str | None = "en"

@@ -1,32 +1,29 @@
 # docs and results: README.md#the-algorithms
 """M2PO: Second-Moment Trust Policy Optimization.
 
-Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", Zheng
-et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) and Algorithm 1 (M2: eq. (4),
-section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
+Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
+Zheng et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) and Algorithm 1
+(M2: eq. (4), section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
 
 What this algorithm changes vs GRPO: it trains on stale rollouts. The ratio is to the behaviour
-policy mu, the sampler's own log-probs (with --off-policy-steps K, those of the policy of K steps
-ago; the paper's pi_theta_old, the same tensor in the official stale setup), and is not clipped;
-instead the second moment of the log-ratios is kept under a budget tau by dropping the largest
-(log r)^2 of the trust-region tokens T, those a ratio clip would act on (A > 0 with r > 1, A < 0
-with r < 1, as the official code defines them). Dropped tokens still count in the token mean:
+policy mu, the sampler's own log-probs (with --off-policy-steps K, those of K steps ago; the paper's
+pi_theta_old), and is not clipped; instead the second moment of the log-ratios is kept under a
+budget tau by dropping the largest (log r)^2 of the trust-region tokens T, those a ratio clip would
+act on (A > 0 with r > 1, A < 0 with r < 1, as the official code defines them). Dropped tokens still
+count in the token mean:
 
     J = 1/sum_i |o_i| sum_i sum_t M_it r_it A_i,   r_it = pi_theta(o_it) / mu(o_it)
     Algorithm 1: M2_it = (log r_it)^2; while mean_T M2 > tau: j = argmax_T M2, M_j = 0, T = T - {j}
     A_i = (R_i - mean_g R) / (std_g R + eps)
 
-Algorithm 1 is run as the paper states it, once per mini-batch over all ranks, at the policy of the
-mini-batch's start (its pi_theta); the peers work per micro-batch, so their token set depends on the
-split (the official code solves instead for an adaptive ratio clip with the same budget; AReaL takes
-every token as a candidate: --m2po-scope all). r is the whole importance weight, so
---rollout-correction is not applied on top (explicit modes are refused); rows the sampler did not
-produce (--gt-injection, --replay) take mu = old_logps. Defaults from the official
-train-scripts/m2po-qwen-math-7b-s*.sh (one node): tau = 0.04 (M2_budget), Qwen2.5-Math-7B,
-DeepScaleR-Preview, 256 prompts x G=8 per step in 4 mini-batches, 2560 new tokens, prompts up to
-1536 tokens, lr 1e-6, no KL. Not reproduced: the official prompt text (qwen-boxed's instead), the
-paper's reward (0.1 for an extractable answer + 1 if correct; ours 0/1), its 1201 steps (paper:
-1000) and its evaluation (avg@4 at T=1, top_p 0.7 on MATH-500, AIME, AMC, ...; grpo.py's here).
+Our choices: Algorithm 1 as the paper states it, once per mini-batch over all ranks, at the policy
+of the mini-batch's start (the official code solves instead for an adaptive ratio clip with the same
+budget; the peers select per micro-batch; AReaL's every-token variant: --m2po-scope all). r is the
+whole importance weight, so --rollout-correction is not applied on top (explicit modes are
+refused); rows the sampler did not produce (--gt-injection, --replay) take mu = old_logps.
+Defaults: the official train-scripts on one node (docs/algorithms.md); not reproduced: their prompt
+text (qwen-boxed's instead), the paper's reward (0.1 for an extractable answer + 1 if correct; ours
+0/1), its step count and its evaluation (grpo.py's).
 
     accelerate launch m2po.py                                  # the paper setting (s0), on GPUs
     accelerate launch m2po.py --off-policy-steps 64 --num-mini-batches 4   # s256: 256 stale updates
@@ -57,7 +54,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node (docs/algorithms.md)
+    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node
     model_name_or_path: str = "Qwen/Qwen2.5-Math-7B"
     dataset_name: str = "agentica-org/DeepScaleR-Preview-Dataset"
     answer_column: str = "answer"
@@ -103,10 +100,9 @@ def behaviour(old_logps: torch.Tensor, rollout_logps: torch.Tensor | None) -> to
 
 def m2po_select(now, mu, advantages, mask, args: Args) -> torch.Tensor:
     """Algorithm 1 over every rank's part of a mini-batch: the dropped tokens, [B, T] bool. now,
-    mu: [B, T] log-probs of pi_theta and of the behaviour policy, M2 = (now - mu)^2. Removing the
-    largest value never raises the mean, so the loop drops the shortest prefix of the candidates'
-    values sorted descending whose remaining suffix has mean <= tau (all of them if none has): one
-    all-gather of the values, then the global threshold applied locally (ties: measure zero)."""
+    mu: [B, T] log-probs of pi_theta and mu. Dropping the largest M2 never raises the mean, so the
+    loop drops the shortest prefix of the candidates' M2 sorted descending whose remaining suffix
+    has mean <= tau (all if none has): one all-gather, then the threshold applied locally."""
     d = now - mu
     m2, adv = d * d, advantages[:, None]
     cand = mask > 0

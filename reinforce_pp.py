@@ -6,38 +6,27 @@ Normalization", https://arxiv.org/abs/2501.03262 (v9): eq. 1 (the loss), eq. 4-5
 (REINFORCE++), eq. 6-8 (REINFORCE++ w/ Baseline); the settings of v1 §4.2 Table 1. Official code:
 OpenRLHF (openrlhf/trainer/ppo_utils/experience_maker.py, estimators reinforce, reinforce_baseline).
 
-What this algorithm changes vs GRPO: no group statistics and no KL term in the loss. The KL to a
-frozen reference is a penalty in every token's reward (k1, at the policy that sampled), the outcome
-reward sits on the last token, a token's advantage is its return (the discounted sum of the rewards
-from it on), and the returns are normalised by the mean and std of all the rollout's tokens, over
-every rank. Advantages are therefore per token, [B, T]. The loss is PPO's clip with GRPO's
-per-sequence token mean (eq. 1):
+What this algorithm changes vs GRPO: no group statistics and no KL term in the loss. A k1 KL to a
+frozen reference (at the policy that sampled) is a penalty in every token's reward, the outcome
+sits on the last token, and a token's advantage is its return, normalised over all the rollout's
+tokens (every rank): per token, [B, T]. PPO's clip with GRPO's per-sequence token mean (eq. 1):
 
     R_t = [t = |o|] r - beta KL(t),   KL(t) = log pi_old(o_t) - log pi_ref(o_t)        (eq. 4)
     G_t = sum_{u >= t} gamma^(u-t) R_u,   A_t = (G_t - mean_batch G) / (std_batch G + eps)  (eq. 5)
     J = E[ 1/|o| sum_t min(s_t A_t, clip(s_t, 1-eps, 1+eps) A_t) ],  s_t = pi / pi_old  (eq. 1)
 
---group-baseline is REINFORCE++ w/ Baseline (eq. 6-8, for groups of k > 1 samples): A' = r - mean_g r
-on every token (undiscounted, no KL in the reward), normalised over the batch as above, and the KL
-as a k2 loss, + beta/2 (log pi - log pi_ref)^2 in the same per-token mean. A token inside a
-completion with mask 0 (a tool's output, say) is skipped: no reward or KL there, and the return
-carries past it undiscounted (verl's compute_reinforce_plus_plus_outcome_advantage).
+--group-baseline (REINFORCE++ w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as
+above, and a k2 KL loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a
+completion (a tool's output) gets no reward or KL; the return carries past it undiscounted (verl).
 
-Defaults: v1 Table 1, the only settings the paper reports (v9 reports none): beta = 0.001 (its
-mathematics setting; 0.01 for general RLHF), clip 0.2, 4 samples per prompt, a rollout of 256
-prompts trained in batches of 128 samples (OpenRLHF's units: 8 optimizer steps per rollout of
-1024), lr 5e-7, gamma = 1. Our choices: grpo.py's model and data (v9 §4.2: a Qwen2.5-Math base on
-MATH), length (1024), steps and a constant lr (OpenRLHF: cosine, 3% warm-up); the std is the
-population std over tokens (OpenRLHF; verl's is unbiased), eps = 1e-6 added to it (eq. 5; OpenRLHF
-clamps the variance at 1e-8); KL estimates are not clamped (OpenRLHF clamps them to +-10). The
-paper's k = 1 (one sample per prompt, its general-RLHF setting) is refused by the shared
---group-size >= 2. OpenRLHF's --group-baseline recipe
-(examples/scripts/train_reinforce_baseline_hybrid_engine.sh): 128 prompts x 8, one optimizer step
-per rollout, beta 1e-5, lr 5e-7. Not from the paper: the verifier reads the template's answer
-format (--reward-format auto), and --rollout-correction (on with vLLM) weights the policy term.
+Defaults: v1 Table 1 (docs/algorithms.md); grpo.py's model, data, length, steps and constant lr.
+Our choices: the population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5;
+OpenRLHF clamps the variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); the paper's k = 1
+is refused (--group-size >= 2). Not from the paper: the template's answer format, and
+--rollout-correction (on with vLLM), which weights the policy term.
 
-    accelerate launch reinforce_pp.py                                  # the paper setting, on GPUs
-    python reinforce_pp.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
+    accelerate launch reinforce_pp.py                              # the paper setting, on GPUs
+    python reinforce_pp.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
 """
 
 from __future__ import annotations
@@ -75,7 +64,7 @@ class Args(SharedArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     beta: float = 0.001
-    """KL coefficient: k1 in every token's reward; with --group-baseline a k2 loss (0: no reference)"""
+    """KL coefficient: k1 in every token's reward; --group-baseline: a k2 loss (0: no reference)"""
     adv_eps: float = 1e-6
     """eps in A = (G - mean) / (std + eps), the mean and std over all the rollout's tokens"""
     gamma: float = 1.0
@@ -109,10 +98,9 @@ def compute_advantages(
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token advantages [N, T] (eq. 4-5; --group-baseline eq. 6-7). rewards: [N], this rank's
-    share, groups contiguous; mask, old_logps (the policy that sampled), ref_logps: [N, T], the
-    log-probs needed with beta > 0 only. The returns are normalised by the mean and the population
-    std of the tokens of every rank's rollout (two all-reduces)."""
+    """Per-token advantages [N, T] (eq. 4-5; --group-baseline eq. 6-7): returns normalised over
+    every rank's tokens. rewards: [N], this rank's share, groups contiguous; mask, old_logps (the
+    sampling policy's), ref_logps: [N, T] (the log-probs only with beta > 0)."""
     r = rewards
     if args.group_baseline:  # eq. 6: the group's mean reward as the baseline, no std
         g = rewards.view(-1, args.group_size)
@@ -143,10 +131,9 @@ def compute_policy_loss(
     """REINFORCE++ loss (eq. 1): -1/B sum_i 1/|o_i| sum_t min(s A_t, clip(s) A_t); with
     --group-baseline + beta k2 in the same mean (eq. 8).
 
-    logps, old_logps, mask, ref_logps, advantages: [B, T] (per token: docs/design.md "The
-    contract"). num_seqs / num_tokens: the mini-batch's normalisers when this batch is one
-    micro-batch of it (common.batching.grad_normalizers); by default the batch's own. Stats are
-    token means over the same mini-batch, so they add up over micro-batches too."""
+    logps, old_logps, mask, ref_logps, advantages: [B, T] (docs/design.md "The contract").
+    num_seqs / num_tokens: the mini-batch's normalisers (default: this batch's), so its
+    micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
@@ -275,7 +262,7 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the advantages are per token (they follow the KL), set after the log-probs
+        # ALGO LOGIC: the advantages are per token, set after the log-probs
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["advantages"])
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
         # pi_old, once, if the policy moves during the updates or rows are stale
@@ -294,7 +281,7 @@ def main(args: Args) -> None:
                 trained_rewards, batch["mask"], args, batch.get("old_logps"), batch.get("ref_logps")
             )
             batch["advantages"] = advantages
-            if recompute:  # DATA: --replay's rows take their stored log-probs, and are stored
+            if recompute:  # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank

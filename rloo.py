@@ -3,35 +3,26 @@
 
 Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
 from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4 (the KL-shaped
-reward), §2.3 (the estimator), App. C (training details). No official code; the implementations
-tools/compare_peers.py runs beside this one: TRL's RLOOTrainer, verl's and OpenRLHF's rloo.
+reward), §2.3 (the estimator), App. C (training details). No official code; tools/compare_peers.py
+runs TRL's, verl's and OpenRLHF's RLOO beside this one.
 
-What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its
-reward carries the KL to a frozen reference summed over its tokens (k1, at the policy that
-sampled); its advantage is that reward minus the mean reward of the other G - 1 completions of its
-prompt (no std); the loss is REINFORCE's, the advantage times the completion's log-probability,
-averaged over completions, with no ratio, no clip and no KL term:
+What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its reward
+carries the k1 KL to a frozen reference summed over its tokens (at the policy that sampled); its
+advantage is that reward minus the mean of the other G - 1 completions' (no std); the loss is
+REINFORCE's, the advantage times the completion's log-probability, averaged over completions: no
+ratio, no clip, no KL term, and a long completion moves the policy more than a short one:
 
     R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))                      (eq. 3-4)
     A_i = R_i - 1/(G-1) sum_{j != i} R_j  =  G/(G-1) (R_i - mean_g R)                   (§2.3)
     L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
 
-Every token of a completion gets the gradient -A_i / N: a long completion moves the policy more
-than a short one (GRPO divides by |o_i|). The paper takes 2 gradient steps per rollout (App. C)
-and writes its estimator without an importance ratio or clip (§2.3); this script applies it on
-both steps, the second on samples of the policy before the first. --rloo-loss token-clip is
-verl's and OpenRLHF's RLOO: PPO's clip per token, A_i on every token, a token mean. TRL's
-RLOOTrainer clips the sequence ratio pi(o_i) / pi_old(o_i): the same gradient on the first step,
-not on the second.
-
-Defaults: App. C's TL;DR run (Pythia-6.9B): beta = 0.03, a rollout of 512 in 2 optimizer steps of
-256, a constant lr of 1e-6 after a linear warm-up over 3% of the steps, 600 steps; G = 4 (the paper
-runs k = 2 and 4; k = 4 is ahead on 2 of its 3 settings, Table 1). Our choices: the 512 are
-completions (128 prompts x 4), the warm-up 3% of the 1200 optimizer steps (36); grpo.py's model,
-data, length (1024) and evaluation (the paper: summarisation and dialogue with reward models). A
-group of one completion cannot occur (--group-size >= 2; verl keeps its raw reward). Not from the
-paper: the verifier reads the template's answer format (--reward-format auto), and
---rollout-correction (on with vLLM) weights each token's policy term.
+The paper takes 2 gradient steps per rollout (App. C) with this estimator; so does this script, the
+second on samples of the policy before the first. --rloo-loss token-clip is verl's and OpenRLHF's
+RLOO (PPO's clip per token, a token mean); TRL clips the sequence ratio (the same gradient on the
+first step only). Defaults: App. C's TL;DR run (docs/algorithms.md). Our choices: the 512 as
+completions (128 prompts x 4), the warm-up as 36 of 1200 optimizer steps; grpo.py's model, data,
+length and evaluation. Not from the paper: the template's answer format, and --rollout-correction
+(on with vLLM), which weights each token's policy term.
 
     accelerate launch rloo.py                                  # the paper setting, on GPUs
     python rloo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -72,7 +63,7 @@ class Args(SharedArgs):
     beta: float = 0.03
     """KL coefficient: R = r - beta sum_t log(pi_old / pi_ref) (0 loads no reference model)"""
     rloo_loss: Literal["reinforce", "token-clip"] = "reinforce"
-    """reinforce: -A sum_t log pi, the paper's; token-clip: PPO's clip per token, token mean (verl)"""
+    """reinforce: -A sum_t log pi, the paper's; token-clip: PPO's clip, a token mean (verl)"""
     clip_eps_low: float = 0.2
     """--rloo-loss token-clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
@@ -260,7 +251,7 @@ def main(args: Args) -> None:
             )
             advantages = compute_advantages(shaped, args)
             batch["advantages"] = advantages
-            if recompute:  # DATA: --replay's rows take their stored log-probs, and are stored
+            if recompute:  # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
