@@ -5,32 +5,24 @@ Paper: Open-Reasoner-Zero, Hu et al. 2025, https://arxiv.org/abs/2503.24290 (§2
 Open-Reasoner-Zero/Open-Reasoner-Zero@3fdd9a0 playground/orz_7b_ppo.py, orz/ppo). What a critic
 needs in long chains of thought: VC-PPO, Yuan et al. 2025, https://arxiv.org/abs/2503.01491.
 
-What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head, from the
-policy's checkpoint or --critic-model-name-or-path; common/critic.py) replaces the group baseline.
-The outcome reward R sits on the last completion token; GAE turns the critic's values into an
-advantage per token; the critic regresses on the GAE returns with PPO's clipped value loss, with
-its own optimizer, lr and warm-up; the policy loss is PPO's clip with a token mean; no KL:
+What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head,
+common/critic.py) replaces the group baseline. The outcome reward sits on the last completion
+token; GAE turns the critic's values into an advantage per token; the critic regresses on the GAE
+returns with PPO's clipped value loss (its own optimizer, lr and warm-up); the policy loss is PPO's
+clip with a token mean; no KL:
 
-    delta_t = r_t + gamma V(s_t+1) - V(s_t),   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V(s_t)
+    delta_t = r_t + gamma V_t+1 - V_t,   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V_t
     A whitened over the rollout's tokens (all ranks) ("batch level advantage normalization", §3.1)
     J_policy = 1/sum_i |o_i| sum_i sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
-    L_value  = 1/2 1/sum_i |o_i| sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+    L_value = 1/(2 sum_i |o_i|) sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
 
-With gamma = lam = 1 and the reward only at the end, A_t = R - V(s_t) and R_t = R: the critic learns
-a per-token Monte-Carlo baseline of the outcome.
-
-Defaults: ORZ's 7B run (§3.1 and its code). From the paper: gamma = lam = 1, eps = 0.2, no KL and
-no entropy bonus, policy lr 1e-6 and critic lr 5e-6, each constant after a linear warm-up of 50
-optimizer steps, AdamW without weight decay, 128 prompts x 64 samples at temperature 1, top-p 1,
-one policy step per rollout and 12 critic mini-batches per rollout, whitened advantages, critic and
-policy from the same base model, not sharing weights. From the code: value clip 0.2 (eq. 2 has
-none; --value-clip None), reward 1 for a correct answer that stopped, else 0 (a truncated one gets
-0), 8000 new tokens, 2048 prompt tokens, the R1-style <think>/<answer> prompt, grad clip 1.0. Ours:
-Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and MATH-500 evaluation (ORZ: its 57k set); the
-critic's head starts at zero (ORZ draws it at random: common/critic.py says why); the token mean
-is over the mini-batch (ORZ averages per packed micro-batch); AdamW's betas are torch's (0.9,
-0.999), not ORZ's (0.9, 0.95); with --lora-rank the critic gets adapters of its own.
-Not from the paper (as in every script): --rollout-correction weighs the policy term (on with vLLM).
+With gamma = lam = 1 and the reward only at the end, A_t = R - V_t and R_t = R: the critic learns
+a per-token Monte-Carlo baseline of the outcome. Defaults: ORZ's 7B run, §3.1 and its code
+(docs/algorithms.md); the value clip is the code's (eq. 2 has none: --value-clip None). Our
+choices: Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and evaluation; the critic's head starts
+at zero (ORZ: random; common/critic.py says why); the token mean is over the mini-batch (ORZ: per
+packed micro-batch); torch's AdamW betas (ORZ: 0.9, 0.95); with --lora-rank the critic gets
+adapters of its own. Not from the paper: --rollout-correction (on with vLLM) weighs the policy term.
 
     accelerate launch ppo.py                                  # the paper setting, on GPUs
     python ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -69,7 +61,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(CriticArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py (docs/algorithms.md); the critic's defaults are ORZ's
+    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py; the critic's defaults are ORZ's
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # §3.1 (32B too)
     prompt_template: PromptTemplate = "r1"  # the code's zero_setting_base.py: <think>/<answer>
     max_prompt_tokens: int = 2048  # the code's prompt_max_len
@@ -88,7 +80,7 @@ class Args(CriticArgs):
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
     """zero: a completion cut off at --max-new-tokens gets reward 0 (ORZ's code); keep: the
-    verifier's score (e.g. on a toy task whose completions rarely end with EOS)"""
+    verifier's score (a toy task whose completions rarely end with EOS)"""
     gamma: float = 1.0
     """GAE's discount (ORZ §2.1.3: 1)"""
     lam: float = 1.0
@@ -100,8 +92,8 @@ class Args(CriticArgs):
 
 # ALGO LOGIC: rewards, advantages and the losses
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """ORZ's outcome reward: 1 for a verified answer whose completion stopped, 0 otherwise (a
-    truncated one gets 0: orz_7b_ppo.py custom_reward_fn; --truncated-reward keep). [N] tensors."""
+    """1 for a verified answer whose completion stopped, else 0 (orz_7b_ppo.py custom_reward_fn;
+    --truncated-reward keep scores truncated ones too). [N] tensors."""
     reward = correct.float()
     return reward * ~truncated.bool() if args.truncated_reward == "zero" else reward
 
@@ -115,11 +107,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
-    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
-    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T]."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened: A_t = delta_t
+    + gamma lam A_next, R_t = A_t + V_t, right to left; a position with mask 0 (a tool's output) is
+    skipped, the next value and the running advantage carrying past it. token_rewards, values,
+    mask: [B, T]; lam: a float or [B]. Returns (advantages, returns), [B, T]."""
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
     next_value = torch.zeros_like(values[:, 0])
     running = torch.zeros_like(values[:, 0])
@@ -147,7 +138,7 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
     """A critic's advantages: the outcome reward on the last token, GAE with --gamma and --lam on
     the critic's values, whitened. rewards: [N]; values, mask: [N, T]. Returns (advantages, the
-    critic's targets R_t), [N, T] each (unlike the critic-free scripts' [N] -> [N])."""
+    critic's targets R_t), [N, T] each."""
     advantages, returns = compute_gae(
         outcome_token_rewards(rewards, mask), values, mask, args.gamma, args.lam
     )
@@ -168,9 +159,8 @@ def compute_policy_loss(
     """PPO loss (ORZ eq. 1) with a token mean: -1/sum_i |o_i| sum_i sum_t min(r A_it, clip(r) A_it).
 
     logps, old_logps, mask, advantages: [B, T] (the advantage is per token). num_tokens: the
-    mini-batch's token count when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. No KL: ref_logps and num_seqs are unused."""
+    mini-batch's token count (default: this batch's), so its micro-batches add up. No KL: ref_logps
+    and num_seqs are unused."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +184,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
-    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
-    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
-    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
-    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    """PPO's clipped value loss above (verl compute_value_loss, ORZ's ValueLoss), c = --value-clip
+    (None: unclipped, ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger, as verl's."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     per_token = (values - returns) ** 2
     clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
@@ -265,11 +254,9 @@ def update_policy(
 
 # TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
-    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
-    value loss, accumulated over micro-batches with the mini-batch's global token count (the
-    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
-    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
-    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
+    epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
+    drive the policy's engine). Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     updates = args.critic_num_mini_batches * args.ppo_epochs
     stats, norms, skipped = {}, [], 0
@@ -319,7 +306,7 @@ def main(args: Args) -> None:
     if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    # ALGO LOGIC: the critic, prepared after the policy (state/ holds them in that order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 

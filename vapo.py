@@ -6,37 +6,27 @@ Paper: Yue et al. 2025, https://arxiv.org/abs/2504.05118 (ByteDance Seed), on VC
 the token-level loss, https://arxiv.org/abs/2503.14476). No official code.
 
 What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's seven changes:
-1. Value pre-training (§3.1): for the first --value-warmup-steps steps the critic alone trains, on
-   the initial policy's samples (the policy is not updated), towards Monte-Carlo returns.
-2. Decoupled GAE (§3.1): the critic's targets use lambda_critic = 1.0, the policy's advantages a
-   smaller lambda of their own.
-3. Length-adaptive GAE (§3.2): the policy's lambda for a completion of l tokens is 1 - 1 / (alpha l),
-   alpha = 0.05, so that sum_t lambda^t = alpha l grows with the length; clamped at 0 for
-   l < 1 / alpha (our choice: the formula is negative there; the paper's lengths are longer).
-4. Clip-Higher (§3.3): eps_low 0.2, eps_high 0.28 (DAPO §3.1).
-5. Token-level policy-gradient loss (§3.2): a token mean over the mini-batch (DAPO §3.3).
-6. Positive-example LM loss (§3.3): L = L_PPO + mu L_NLL, L_NLL the token-mean negative
-   log-likelihood of the mini-batch's correct completions, mu = 0.1 (self-imitation).
-7. Group sampling (§3.3): many samples of fewer prompts, 512 x 16 (Args' overrides).
+1. Value pre-training (§3.1): the critic alone trains for the first --value-warmup-steps steps, on
+   the initial policy's samples, towards Monte-Carlo returns.
+2. Decoupled GAE (§3.1): lambda_critic = 1.0 for the critic's targets, a smaller lambda for the
+   policy's advantages: with lambda < 1 the critic's target mixes in its own biased values and the
+   end reward decays through a long completion (VC-PPO); the policy may trade bias for variance.
+3. Length-adaptive GAE (§3.2): lambda_policy = 1 - 1 / (alpha l) for a completion of l tokens, so
+   sum_t lambda^t = alpha l; clamped at 0 for l < 1 / alpha (our choice: the formula is negative).
+4. Clip-Higher (§3.3, DAPO §3.1): eps_low 0.2, eps_high 0.28.
+5. Token-level policy-gradient loss (§3.2, DAPO §3.3): a token mean over the mini-batch.
+6. Positive-example LM loss (§3.3): mu times the token-mean NLL of the correct completions.
+7. Group sampling (§3.3): many samples of fewer prompts (Args' overrides).
 
-    A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the critic's target)
+    A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the targets)
     L = -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1 - 0.2, 1 + 0.28) A)
         - mu / sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it)
 
-Why the critic gets 1.0 and the policy the smaller lambda (a note has them the other way round, the
-policy at 1.0, the critic at 0.9; we follow the paper): with lambda < 1 the critic's target mixes in
-its own biased bootstrapped values and the end reward decays on its way back through a long
-completion (VC-PPO's reward signal decay); the policy's advantages may trade bias for variance.
-
-Defaults. From the paper (§4.1): 50 warm-up steps, lambda_critic 1.0, alpha 0.05, Clip-Higher
-0.2 / 0.28, mu 0.1, 512 prompts x 16, mini-batches of 512 samples (16 updates per rollout, the
-critic's too), actor lr 1e-6 and critic lr 2e-6 (as reproductions quote §4.1; its text was not
-at hand, check it against the PDF), in DAPO's data, prompt, budget and AIME evaluation, on
-Qwen2.5-7B (the paper's 32B does not fit one node). The critic starts from the policy's checkpoint
-(the paper's starts from a reward model, which a verifier-based run does not have). The paper is
-silent on: the reward (±1 as DAPO eq. 7, whose setting VAPO compares under), gamma (1), advantage
-whitening (verl's compute_gae_advantage_return whitens; so do we), the value clip (verl's 0.5), the
-critic's warm-up and weight decay (none). Not from the paper: --rollout-correction (on with vLLM).
+Defaults: §4.1 in DAPO's setting (docs/algorithms.md). Our choices: Qwen2.5-7B (the paper's 32B
+does not fit one node); the critic starts from the policy's checkpoint (the paper's from a reward
+model, which a verifier-based run does not have); where the paper is silent: DAPO's +-1 reward,
+gamma 1, verl's whitening and value clip 0.5, no critic warm-up or weight decay. Not from the
+paper: --rollout-correction (on with vLLM).
 
     accelerate launch vapo.py                                  # the paper setting, on GPUs
     python vapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -74,7 +64,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(CriticArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # §4.1, in DAPO's setting, which VAPO compares in (dapo.py's one-node translation of it)
+    # §4.1, in DAPO's setting, which VAPO compares in (dapo.py's one-node translation)
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's Qwen2.5-32B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO's data, as dapo.py loads it
     dataset_config: str | None = "en"
@@ -130,11 +120,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
-    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
-    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T]."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened: A_t = delta_t
+    + gamma lam A_next, R_t = A_t + V_t, right to left; a position with mask 0 (a tool's output) is
+    skipped, the next value and the running advantage carrying past it. token_rewards, values,
+    mask: [B, T]; lam: a float or [B]. Returns (advantages, returns), [B, T]."""
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
     next_value = torch.zeros_like(values[:, 0])
     running = torch.zeros_like(values[:, 0])
@@ -193,9 +182,8 @@ def compute_policy_loss(
 
     logps, old_logps, mask, advantages: [B, T] (the advantage is per token); positive: [B], 1 for a
     correct completion (None: no NLL term). num_tokens / num_pos_tokens: the mini-batch's token
-    counts (all, correct) when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. No KL: ref_logps and num_seqs are unused."""
+    counts, all and correct (default: this batch's), so its micro-batches add up. No KL: ref_logps
+    and num_seqs are unused."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
@@ -225,10 +213,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
-    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
-    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
-    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
-    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    """PPO's clipped value loss above (verl compute_value_loss, ORZ's ValueLoss), c = --value-clip
+    (None: unclipped, ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger, as verl's."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     per_token = (values - returns) ** 2
     clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
@@ -299,11 +286,9 @@ def update_policy(
 
 # TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
-    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
-    value loss, accumulated over micro-batches with the mini-batch's global token count (the
-    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
-    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
-    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
+    epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
+    drive the policy's engine). Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     updates = args.critic_num_mini_batches * args.ppo_epochs
     stats, norms, skipped = {}, [], 0
@@ -355,7 +340,7 @@ def main(args: Args) -> None:
     if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    # ALGO LOGIC: the critic, prepared after the policy (state/ holds them in that order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
