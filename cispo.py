@@ -5,22 +5,20 @@ Paper: MiniMax-M1, MiniMax 2025, https://arxiv.org/abs/2506.13585 (§3.1, eq. 3-
 is ScaleRL's (Khatri et al. 2025, https://arxiv.org/abs/2510.13786).
 
 What this algorithm changes vs GRPO: REINFORCE with a clipped, detached importance-sampling weight
-instead of PPO's clipped surrogate. PPO drops the gradient of a token whose ratio left the trust
-region (silencing rare "fork" tokens such as "However", "Wait", MiniMax found); CISPO clips only the
-weight, never drops a token. No KL, no reference model; a token mean (as DAPO); dynamic sampling
-(DAPO §3.2, as MiniMax §3.1 uses it; the rollout loop is dapo.py's):
+instead of PPO's clipped surrogate: PPO drops the gradient of a token whose ratio left the trust
+region (rare "fork" tokens such as "However", "Wait", MiniMax found), CISPO only clips its weight.
+No KL; a token mean and dynamic sampling (DAPO §3.2, as MiniMax §3.1; the loop is dapo.py's):
 
     J = E[ 1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi(o_it | q, o_i,<t) ]       (MiniMax eq. 4)
     w_it = min(r_it, eps_max)                     --cispo-form scalerl (default; ScaleRL: 5)
     w_it = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)     --cispo-form minimax (eq. 5; no floor)
     r_it = pi(o_it) / pi_old(o_it),   A_i = (R_i - mean_g R) / (std_g R + eps)    (eq. 2)
 
-Defaults: dapo.py's one-node translation of DAPO's zero-RL setting, in which MiniMax validates
-CISPO (§3.1), with ScaleRL's cap and no length penalty (MiniMax's own setting: docs/algorithms.md,
-"CISPO: ScaleRL's cap, MiniMax's setting"). Our choices: std unbiased, eps_std = 1e-6, A = 0 for a
-zero-variance group; a 0/1 reward; DAPO's "Answer:" verifier. Not implemented: ScaleRL's other
-changes (prompt-level aggregation, batch-std advantages, async PipelineRL). Not from either paper:
---rollout-correction (on with vLLM), which multiplies the CISPO weight.
+Defaults: dapo.py's one-node DAPO setting, in which MiniMax validates CISPO (§3.1), with ScaleRL's
+cap and no length penalty (MiniMax's own setting: docs/algorithms.md). Our choices: as dapo.py (the
+std, the verifier); a 0/1 reward. Not implemented: ScaleRL's other changes (prompt-level
+aggregation, batch-std advantages, async PipelineRL). Not from either paper: --rollout-correction
+(on with vLLM), which multiplies the CISPO weight.
 
     accelerate launch cispo.py --eval-every 5                  # the paper setting, on GPUs
     python cispo.py --model-name-or-path /tmp/toy/model ...    # README "Quickstart": a CPU run
@@ -191,7 +189,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -226,7 +224,7 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling
@@ -263,7 +261,7 @@ def main(args: Args) -> None:
         rows, completions, correct, kept, reward_info = [], [], [], [], {}
         while rounds < args.max_gen_batches:
             rounds += 1
-            # DATA: --prompt-sampling; --off-policy-steps K: sampled K steps ago (one round a step)
+            # DATA: --prompt-sampling, --off-policy-steps (then one round a step)
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
@@ -301,14 +299,14 @@ def main(args: Args) -> None:
             advantages = torch.zeros_like(advantages)
         mini_batch_rows = share * args.group_size // args.num_mini_batches
         num_mini_batches = mini_batch_count(len(advantages), mini_batch_rows)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator, keep)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
@@ -339,7 +337,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -4,11 +4,10 @@
 Paper: Yu et al. 2025, https://arxiv.org/abs/2503.14476 (recipe: verl
 `recipe/dapo/run_dapo_qwen2.5_32b.sh`).
 
-What this algorithm changes vs GRPO: no KL term and no reference model (§2.3); a +-1 correctness
-reward (eq. 7) plus a soft overlong punishment (eq. 13); decoupled clip bounds with a larger upper
-one, "Clip-Higher" (§3.1); a token-level loss, every token of the mini-batch weighing the same
-(§3.3); dynamic sampling (§3.2, Algorithm 1): all-right and all-wrong groups have A = 0, so they are
-dropped and more prompts are sampled until the batch is full of informative groups.
+What this algorithm changes vs GRPO: no KL and no reference model (§2.3); a +-1 reward (eq. 7) plus
+a soft overlong punishment (eq. 13); a larger upper clip bound, "Clip-Higher" (§3.1); a token-level
+loss, every token of the mini-batch weighing the same (§3.3); dynamic sampling (§3.2, Algorithm 1):
+all-right and all-wrong groups (A = 0) are dropped and more prompts sampled until the batch is full.
 
     J = E[1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)]   (eq. 8)
         subject to 0 < #correct < G
@@ -18,12 +17,11 @@ dropped and more prompts are sampled until the batch is full of informative grou
 
 Defaults: §4.1 where one node can, verl's recipe where the paper is silent (docs/algorithms.md).
 Our choices: Qwen2.5-7B (the paper's 32B does not fit one node); std unbiased, eps_std = 1e-6; the
-filter counts correct answers (eq. 8, verl's metric=acc), not distinct rewards; the rounds draw
-fresh prompts from one checkpointed stream; the ranks keep as many groups as the poorest one, and
-after --max-gen-batches rounds a step trains on what it has; rollout metrics cover every generated
-completion (the kept ones lean to accuracy 0.5). Overlong filtering (§3.4) is off, as in the final
-recipe. The verifier reads math_dapo's "Answer:" line and math-verify judges it (math_dapo compares
-normalised strings). Not from the paper: --rollout-correction (on with vLLM).
+filter counts correct answers (eq. 8, verl's metric=acc); the rounds draw fresh prompts from one
+checkpointed stream; the ranks keep as many groups as the poorest one, and after --max-gen-batches
+rounds a step trains on what it has; rollout metrics cover every generated completion. Overlong
+filtering (§3.4) is off, as in the final recipe. math-verify judges math_dapo's "Answer:" line
+(math_dapo compares normalised strings). Not from the paper: --rollout-correction (on with vLLM).
 
     accelerate launch dapo.py --eval-every 5                   # the paper setting, on GPUs
     python dapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -194,7 +192,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -229,7 +227,7 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling
@@ -266,7 +264,7 @@ def main(args: Args) -> None:
         rows, completions, correct, kept, reward_info = [], [], [], [], {}
         while rounds < args.max_gen_batches:
             rounds += 1
-            # DATA: --prompt-sampling; --off-policy-steps K: sampled K steps ago (one round a step)
+            # DATA: --prompt-sampling, --off-policy-steps (then one round a step)
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
@@ -304,14 +302,14 @@ def main(args: Args) -> None:
             advantages = torch.zeros_like(advantages)
         mini_batch_rows = share * args.group_size // args.num_mini_batches
         num_mini_batches = mini_batch_count(len(advantages), mini_batch_rows)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator, keep)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
@@ -344,7 +342,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

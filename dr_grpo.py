@@ -6,21 +6,19 @@ https://arxiv.org/abs/2503.20783 (§3.1-3.2, Listing 1, App. A). Official code:
 sail-sg/understand-r1-zero (train_zero_math.py) on the oat framework.
 
 What this algorithm changes vs GRPO: it drops GRPO's two normalisations, which bias the
-optimisation (§3.1). A sequence's loss divided by its length |o_i| favours short right and long
-wrong answers, so the loss sums over tokens and divides by a constant, the budget L_max (Listing 1's
-MAX_TOKENS); the advantage divided by the group's std favours too easy and too hard questions, so it
-is only centred (App. A: G/(G-1) A_i is RLOO's). No KL term, no reference model. N: the
-mini-batch's sequences; L_max = --max-new-tokens:
+optimisation (§3.1): dividing a sequence's loss by its length favours short right and long wrong
+answers, so the loss is divided by a constant, the budget L_max (Listing 1's MAX_TOKENS); dividing
+the advantage by the group's std favours too easy and too hard questions, so it is only centred
+(App. A: G/(G-1) A_i is RLOO's). No KL. N: the mini-batch's sequences; L_max = --max-new-tokens:
 
     J = E[ 1/(N L_max) sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]     (Listing 1)
     A_i = R_i - mean(R_1..R_G)                                                        (§3.2)
 
-Defaults: the Oat-Zero-1.5B run (Table 4) as oat's examples/qwen2.5-math-1.5b.sh runs it
-(docs/algorithms.md). Our choice: hiyouga/math12k, oat's 1.5B example's data (the paper's MATH
-levels 3-5 have no hub id: export them to .jsonl for --dataset-name). From the official code, not
-the paper: a truncated completion gets reward 0 (here only in dr_grpo.py), and the verifier reads
-the last \\boxed{}. Not reproduced: oat's Adam betas (0.9, 0.95) and its truncated IS correction.
-Not from the paper: --rollout-correction (on with vLLM).
+Defaults: the Oat-Zero-1.5B run (Table 4) by oat's examples/qwen2.5-math-1.5b.sh, on its data,
+hiyouga/math12k (docs/algorithms.md; the paper's MATH levels 3-5 have no hub id: export them to
+.jsonl for --dataset-name). From the official code, not the paper: a truncated completion gets
+reward 0 (here only in dr_grpo.py); the last-\\boxed{} verifier. Not reproduced: oat's Adam betas
+(0.9, 0.95), its truncated IS correction. Not from the paper: --rollout-correction (on with vLLM).
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
     python dr_grpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -50,7 +48,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # Oat-Zero-1.5B (Table 4) as oat's examples/qwen2.5-math-1.5b.sh runs it (docs/algorithms.md)
+    # Oat-Zero-1.5B (Table 4) as oat's examples/qwen2.5-math-1.5b.sh runs it
     dataset_name: str = "hiyouga/math12k"  # oat's 1.5B example; the paper: MATH levels 3-5
     answer_column: str = "answer"
     group_size: int = 8
@@ -65,8 +63,7 @@ class Args(SharedArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens gets reward 0 (the official code); keep: the
-    verifier's score (a toy task whose completions rarely end with EOS)"""
+    """zero: a completion cut off at --max-new-tokens scores 0 (official code); keep: as verified"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
@@ -141,7 +138,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -176,7 +173,7 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -192,7 +189,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -209,14 +206,14 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
@@ -245,7 +242,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

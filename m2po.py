@@ -6,24 +6,21 @@ Zheng et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) a
 (M2: eq. (4), section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
 
 What this algorithm changes vs GRPO: it trains on stale rollouts. The ratio is to the behaviour
-policy mu, the sampler's own log-probs (with --off-policy-steps K, those of K steps ago; the paper's
-pi_theta_old), and is not clipped; instead the second moment of the log-ratios is kept under a
-budget tau by dropping the largest (log r)^2 of the trust-region tokens T, those a ratio clip would
-act on (A > 0 with r > 1, A < 0 with r < 1, as the official code defines them). Dropped tokens still
-count in the token mean:
+policy mu, the sampler's own log-probs (the paper's pi_theta_old; with --off-policy-steps K, K
+steps old), unclipped; instead the mean (log r)^2 of the trust-region tokens T (those a ratio clip
+would act on: A > 0 with r > 1, A < 0 with r < 1, as the official code) is kept under tau by
+dropping the largest. Dropped tokens still count in the token mean:
 
     J = 1/sum_i |o_i| sum_i sum_t M_it r_it A_i,   r_it = pi_theta(o_it) / mu(o_it)
     Algorithm 1: M2_it = (log r_it)^2; while mean_T M2 > tau: j = argmax_T M2, M_j = 0, T = T - {j}
     A_i = (R_i - mean_g R) / (std_g R + eps)
 
-Our choices: Algorithm 1 as the paper states it, once per mini-batch over all ranks, at the policy
-of the mini-batch's start (the official code solves instead for an adaptive ratio clip with the same
-budget; the peers select per micro-batch; AReaL's every-token variant: --m2po-scope all). r is the
-whole importance weight, so --rollout-correction is not applied on top (explicit modes are
-refused); rows the sampler did not produce (--gt-injection, --replay) take mu = old_logps.
-Defaults: the official train-scripts on one node (docs/algorithms.md); not reproduced: their prompt
-text (qwen-boxed's instead), the paper's reward (0.1 for an extractable answer + 1 if correct; ours
-0/1), its step count and its evaluation (grpo.py's).
+Our choices: Algorithm 1 as the paper states it, once per mini-batch over all ranks, at the
+mini-batch's starting policy (the official code solves for an adaptive ratio clip instead; the
+peers select per micro-batch). r is the whole importance weight: no --rollout-correction on top
+(explicit modes are refused); rows the sampler did not produce take mu = old_logps. Defaults: the
+official train-scripts on one node (docs/algorithms.md), with qwen-boxed's prompt, a 0/1 reward
+(the paper: 0.1 for an extractable answer + 1 if correct) and grpo.py's evaluation.
 
     accelerate launch m2po.py                                  # the paper setting (s0), on GPUs
     accelerate launch m2po.py --off-policy-steps 64 --num-mini-batches 4   # s256: 256 stale updates
@@ -69,8 +66,7 @@ class Args(SharedArgs):
     m2po_threshold: float = 0.04
     """tau: the largest (log pi/mu)^2 of the candidates are dropped until their mean is <= tau"""
     m2po_scope: Literal["trust-region", "all"] = "trust-region"
-    """the candidates: trust-region (A > 0 with r > 1, A < 0 with r < 1; the official code) or all
-    (every token; AReaL's variant)"""
+    """trust-region: the tokens a ratio clip acts on (official code); all: every token (AReaL)"""
     beta: float = 0.0
     """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
     adv_eps: float = 1e-6
@@ -179,7 +175,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             with torch.no_grad():  # ALGO LOGIC: Algorithm 1 once per mini-batch, at pi_theta now
                 if epoch == 0 and mb == 0 and "old_logps" in batch and not args.replay:
-                    now = batch["old_logps"]  # the policy has not moved since they were computed
+                    now = batch["old_logps"]  # the policy has not moved since
                 else:
                     now = compute_logps(policy, batch, args.temperature, plan)
                 mu = behaviour(batch.get("old_logps", now), batch.get("sampler_logps"))
@@ -188,7 +184,7 @@ def update_policy(
                 batch["m2po_drop"] = m2po_select(now, mu, batch["advantages"], mine, args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -227,7 +223,7 @@ def main(args: Args) -> None:
     if args.rollout_correction not in ("auto", "none"):  # ALGO LOGIC: r = pi/mu is the IS weight
         raise SystemExit("m2po.py weighs by pi/mu, mu the sampler: drop --rollout-correction")
     args = replace(args, rollout_correction="none")  # what runs, in args.json
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -235,7 +231,7 @@ def main(args: Args) -> None:
     run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
     if args.total_steps == 0:  # evaluation only
@@ -245,7 +241,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -262,14 +258,14 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         # ALGO LOGIC: the tokens update_policy selects are per token, as the mask
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["m2po_drop"])
@@ -299,7 +295,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -6,23 +6,23 @@ Open-Reasoner-Zero/Open-Reasoner-Zero@3fdd9a0 playground/orz_7b_ppo.py, orz/ppo)
 needs in long chains of thought: VC-PPO, Yuan et al. 2025, https://arxiv.org/abs/2503.01491.
 
 What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head,
-common/critic.py) replaces the group baseline. The outcome reward sits on the last completion
-token; GAE turns the critic's values into an advantage per token; the critic regresses on the GAE
-returns with PPO's clipped value loss (its own optimizer, lr and warm-up); the policy loss is PPO's
-clip with a token mean; no KL:
+common/critic.py) replaces the group baseline: GAE on its values turns the outcome reward on the
+last token into an advantage per token, and the critic regresses on the GAE returns with PPO's
+clipped value loss (its own optimizer, lr and warm-up). The policy loss is PPO's clip with a token
+mean; no KL:
 
     delta_t = r_t + gamma V_t+1 - V_t,   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V_t
     A whitened over the rollout's tokens (all ranks) ("batch level advantage normalization", §3.1)
     J_policy = 1/sum_i |o_i| sum_i sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
     L_value = 1/(2 sum_i |o_i|) sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
 
-With gamma = lam = 1 and the reward only at the end, A_t = R - V_t and R_t = R: the critic learns
-a per-token Monte-Carlo baseline of the outcome. Defaults: ORZ's 7B run, §3.1 and its code
-(docs/algorithms.md); the value clip is the code's (eq. 2 has none: --value-clip None). Our
-choices: Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and evaluation; the critic's head starts
-at zero (ORZ: random; common/critic.py says why); the token mean is over the mini-batch (ORZ: per
-packed micro-batch); torch's AdamW betas (ORZ: 0.9, 0.95); with --lora-rank the critic gets
-adapters of its own. Not from the paper: --rollout-correction (on with vLLM) weighs the policy term.
+With gamma = lam = 1 and the reward only at the end, A_t = R - V_t and R_t = R: a per-token
+Monte-Carlo baseline. Defaults: ORZ's 7B run, §3.1 and its code (docs/algorithms.md), whose value
+clip eq. 2 lacks (--value-clip None). Our choices: Qwen2.5-7B (ORZ also trains 32B), grpo.py's data
+and evaluation; the critic's head starts at zero (ORZ: random; common/critic.py says why); the
+token mean over the mini-batch (ORZ: per packed micro-batch); torch's AdamW betas (ORZ: 0.9, 0.95);
+under --lora-rank the critic's own adapters. Not from the paper: --rollout-correction (on with
+vLLM) weighs the policy term.
 
     accelerate launch ppo.py                                  # the paper setting, on GPUs
     python ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -79,15 +79,13 @@ class Args(CriticArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens gets reward 0 (ORZ's code); keep: the
-    verifier's score (a toy task whose completions rarely end with EOS)"""
+    """zero: a completion cut off at --max-new-tokens scores 0 (ORZ's code); keep: as verified"""
     gamma: float = 1.0
     """GAE's discount (ORZ §2.1.3: 1)"""
     lam: float = 1.0
     """GAE's lambda (ORZ §2.1.3: 1; 0.95 is the usual RL value, unstable in ORZ's Figure 7)"""
     value_clip: float | None = 0.2
-    """the critic's values move at most this far from the rollout's per update (ORZ's code; None:
-    the unclipped 1/2 (V - R)^2 of ORZ eq. 2)"""
+    """how far values may move from the rollout's per update (ORZ's code; None: eq. 2, unclipped)"""
 
 
 # ALGO LOGIC: rewards, advantages and the losses
@@ -125,9 +123,8 @@ def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, 
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ORZ's batch-level advantage normalisation (orz/ppo/utils.py normalize_advantages) over every
-    rank's completion tokens: (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0
-    outside the mask."""
+    """ORZ's normalize_advantages (orz/ppo/utils.py) over every rank's completion tokens:
+    (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0 outside the mask."""
     m = mask.to(advantages.dtype)
     count, total = global_sum(torch.stack([m.sum(), (advantages * m).sum()]))
     mean = total / count.clamp(min=1)
@@ -218,7 +215,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -252,7 +249,7 @@ def update_policy(
     return stats
 
 
-# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+# TRY NOT TO MODIFY: the critic's update loop
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
     """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
     epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
@@ -267,7 +264,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
             plan = micro_batches(mini_rows.tolist(), batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, _ = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(critic):
@@ -291,7 +288,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -312,7 +309,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -329,13 +326,13 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         # ALGO LOGIC: the critic's values, its targets and the advantages are per token
         token_fields = ["old_values", "returns", "advantages"]
@@ -378,7 +375,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

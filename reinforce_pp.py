@@ -2,28 +2,27 @@
 """REINFORCE++: PPO without a critic, the KL inside the reward and advantages normalised globally.
 
 Paper: Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global
-Normalization", https://arxiv.org/abs/2501.03262 (v9): eq. 1 (the loss), eq. 4-5 and Algorithm 1
-(REINFORCE++), eq. 6-8 (REINFORCE++ w/ Baseline); the settings of v1 §4.2 Table 1. Official code:
-OpenRLHF (openrlhf/trainer/ppo_utils/experience_maker.py, estimators reinforce, reinforce_baseline).
+Normalization", https://arxiv.org/abs/2501.03262 (v9): eq. 1, eq. 4-5 and Algorithm 1; w/ Baseline:
+eq. 6-8; the settings: v1 §4.2 Table 1. Official code: OpenRLHF (experience_maker.py, estimators
+reinforce and reinforce_baseline).
 
 What this algorithm changes vs GRPO: no group statistics and no KL term in the loss. A k1 KL to a
-frozen reference (at the policy that sampled) is a penalty in every token's reward, the outcome
-sits on the last token, and a token's advantage is its return, normalised over all the rollout's
-tokens (every rank): per token, [B, T]. PPO's clip with GRPO's per-sequence token mean (eq. 1):
+frozen reference is a penalty in every token's reward, the outcome sits on the last token, and a
+token's advantage is its return, normalised over all the rollout's tokens (every rank): per token,
+[B, T]. PPO's clip with GRPO's per-sequence token mean (eq. 1):
 
     R_t = [t = |o|] r - beta KL(t),   KL(t) = log pi_old(o_t) - log pi_ref(o_t)        (eq. 4)
     G_t = sum_{u >= t} gamma^(u-t) R_u,   A_t = (G_t - mean_batch G) / (std_batch G + eps)  (eq. 5)
     J = E[ 1/|o| sum_t min(s_t A_t, clip(s_t, 1-eps, 1+eps) A_t) ],  s_t = pi / pi_old  (eq. 1)
 
---group-baseline (REINFORCE++ w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as
-above, and a k2 KL loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a
-completion (a tool's output) gets no reward or KL; the return carries past it undiscounted (verl).
+--group-baseline (w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as above, and
+a k2 KL loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a completion
+(a tool's output) gets no reward; the return carries past it undiscounted (verl).
 
-Defaults: v1 Table 1 (docs/algorithms.md); grpo.py's model, data, length, steps and constant lr.
-Our choices: the population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5;
-OpenRLHF clamps the variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); the paper's k = 1
-is refused (--group-size >= 2). Not from the paper: the template's answer format, and
---rollout-correction (on with vLLM), which weights the policy term.
+Defaults: v1 Table 1 (docs/algorithms.md) on grpo.py's model, data and lengths. Our choices: the
+population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5; OpenRLHF clamps the
+variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); k = 1 refused (--group-size >= 2).
+Not from the paper: the answer format; --rollout-correction (on with vLLM) on the policy term.
 
     accelerate launch reinforce_pp.py                              # the paper setting, on GPUs
     python reinforce_pp.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
@@ -66,9 +65,9 @@ class Args(SharedArgs):
     beta: float = 0.001
     """KL coefficient: k1 in every token's reward; --group-baseline: a k2 loss (0: no reference)"""
     adv_eps: float = 1e-6
-    """eps in A = (G - mean) / (std + eps), the mean and std over all the rollout's tokens"""
+    """eps in A = (G - mean) / (std + eps), over all the rollout's tokens"""
     gamma: float = 1.0
-    """discount of the rewards after a token in its return (1: the paper's undiscounted sum)"""
+    """discount in a token's return (1: the paper's undiscounted sum)"""
     group_baseline: bool = False
     """REINFORCE++ w/ Baseline: r - mean_g r on every token, normalised globally; KL as a k2 loss"""
 
@@ -80,8 +79,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = R_t + gamma G_t+1 over the tokens with mask 1. A masked token gets 0 and the running
-    return carries past it undiscounted (verl). token_rewards, mask: [B, T]."""
+    """G_t = R_t + gamma G_t+1 over the tokens with mask 1; a masked token gets 0 and the return
+    carries past it. token_rewards, mask: [B, T]."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
@@ -142,7 +141,7 @@ def compute_policy_loss(
 
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
-    adv = advantages  # per token: the KL in the reward makes A depend on t
+    adv = advantages
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     # 1 without --rollout-correction
@@ -182,7 +181,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -219,7 +218,7 @@ def update_policy(
 def main(args: Args) -> None:
     if not 0 < args.gamma <= 1 or (args.group_baseline and args.gamma != 1):  # ALGO LOGIC
         raise SystemExit("--gamma must be in (0, 1], and 1 with --group-baseline (eq. 6)")
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -227,7 +226,7 @@ def main(args: Args) -> None:
     run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
     if args.total_steps == 0:  # evaluation only
@@ -237,7 +236,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -253,16 +252,16 @@ def main(args: Args) -> None:
 
         # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         trained_rewards = rewards
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the advantages are per token, set after the log-probs
+        # ALGO LOGIC: per-token advantages, set after the log-probs
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["advantages"])
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
         # pi_old, once, if the policy moves during the updates or rows are stale
@@ -296,7 +295,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -2,27 +2,23 @@
 """RLOO: REINFORCE with a leave-one-out baseline, each completion one action.
 
 Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4 (the KL-shaped
-reward), §2.3 (the estimator), App. C (training details). No official code; tools/compare_peers.py
-runs TRL's, verl's and OpenRLHF's RLOO beside this one.
+from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4, §2.3, App. C. No
+official code (tools/compare_peers.py runs TRL's, verl's and OpenRLHF's RLOO beside this one).
 
-What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its reward
-carries the k1 KL to a frozen reference summed over its tokens (at the policy that sampled); its
-advantage is that reward minus the mean of the other G - 1 completions' (no std); the loss is
-REINFORCE's, the advantage times the completion's log-probability, averaged over completions: no
-ratio, no clip, no KL term, and a long completion moves the policy more than a short one:
+What this algorithm changes vs GRPO: the whole completion is one action (§2.2): its reward carries
+the k1 KL to a frozen reference summed over its tokens, its advantage subtracts the mean reward of
+the other G - 1 (no std), and the loss is REINFORCE's on the completion's log-probability: no
+ratio, no clip, no KL term; a long completion moves the policy more than a short one:
 
     R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))                      (eq. 3-4)
     A_i = R_i - 1/(G-1) sum_{j != i} R_j  =  G/(G-1) (R_i - mean_g R)                   (§2.3)
     L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
 
-The paper takes 2 gradient steps per rollout (App. C) with this estimator; so does this script, the
-second on samples of the policy before the first. --rloo-loss token-clip is verl's and OpenRLHF's
-RLOO (PPO's clip per token, a token mean); TRL clips the sequence ratio (the same gradient on the
-first step only). Defaults: App. C's TL;DR run (docs/algorithms.md). Our choices: the 512 as
-completions (128 prompts x 4), the warm-up as 36 of 1200 optimizer steps; grpo.py's model, data,
-length and evaluation. Not from the paper: the template's answer format, and --rollout-correction
-(on with vLLM), which weights each token's policy term.
+As in the paper (App. C), 2 gradient steps per rollout with this estimator, the second on the
+previous policy's samples. --rloo-loss token-clip is verl's and OpenRLHF's RLOO; TRL clips the
+sequence ratio. Defaults: App. C's TL;DR run (docs/algorithms.md); grpo.py's model, data, length
+and evaluation. Not from the paper: the template's answer format; --rollout-correction (on with
+vLLM) weights each token's policy term.
 
     accelerate launch rloo.py                                  # the paper setting, on GPUs
     python rloo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -77,8 +73,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def kl_shaped_rewards(rewards, mask, old_logps, ref_logps, args: Args) -> torch.Tensor:
-    """R_i = r_i - beta sum_t (log pi_old - log pi_ref)(o_it) (eq. 3-4: k1 summed over the
-    completion, at the policy that sampled it). rewards: [N]; mask, old_logps, ref_logps: [N, T]."""
+    """R_i of eq. 3-4: k1 summed over the completion, at the policy that sampled it. rewards: [N];
+    mask, old_logps, ref_logps: [N, T]."""
     if args.beta == 0:
         return rewards
     return rewards - args.beta * ((old_logps - ref_logps) * mask).sum(-1)
@@ -154,7 +150,7 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -189,7 +185,7 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -197,7 +193,7 @@ def main(args: Args) -> None:
     run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
     if args.total_steps == 0:  # evaluation only
@@ -207,7 +203,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -223,14 +219,14 @@ def main(args: Args) -> None:
 
         # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         trained_rewards = rewards
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
@@ -266,7 +262,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -6,17 +6,15 @@ Paper: Yue et al. 2025, https://arxiv.org/abs/2504.05118 (ByteDance Seed), on VC
 the token-level loss, https://arxiv.org/abs/2503.14476). No official code.
 
 What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's seven changes:
-1. Value pre-training (§3.1): the critic alone trains for the first --value-warmup-steps steps, on
-   the initial policy's samples, towards Monte-Carlo returns.
-2. Decoupled GAE (§3.1): lambda_critic = 1.0 for the critic's targets, a smaller lambda for the
-   policy's advantages: with lambda < 1 the critic's target mixes in its own biased values and the
-   end reward decays through a long completion (VC-PPO); the policy may trade bias for variance.
-3. Length-adaptive GAE (§3.2): lambda_policy = 1 - 1 / (alpha l) for a completion of l tokens, so
-   sum_t lambda^t = alpha l; clamped at 0 for l < 1 / alpha (our choice: the formula is negative).
-4. Clip-Higher (§3.3, DAPO §3.1): eps_low 0.2, eps_high 0.28.
-5. Token-level policy-gradient loss (§3.2, DAPO §3.3): a token mean over the mini-batch.
+1. Value pre-training (§3.1): the critic alone trains first, on the initial policy's samples.
+2. Decoupled GAE (§3.1): lambda = 1.0 for the critic's targets (with lambda < 1 they mix in its own
+   biased values and the end reward decays through a long completion: VC-PPO), a smaller one for
+   the policy's advantages.
+3. Length-adaptive GAE (§3.2): lambda_policy = 1 - 1 / (alpha l) for l tokens (sum_t lambda^t =
+   alpha l), clamped at 0 for l < 1 / alpha (our choice: the formula is negative there).
+4. Clip-Higher (§3.3, DAPO §3.1).   5. A token-level policy loss (§3.2, DAPO §3.3).
 6. Positive-example LM loss (§3.3): mu times the token-mean NLL of the correct completions.
-7. Group sampling (§3.3): many samples of fewer prompts (Args' overrides).
+7. Group sampling (§3.3): many samples of fewer prompts.
 
     A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the targets)
     L = -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1 - 0.2, 1 + 0.28) A)
@@ -101,8 +99,7 @@ class Args(CriticArgs):
     nll_coef: float = 0.1
     """mu: weight of the NLL of the mini-batch's correct completions in the policy loss (§4.1)"""
     value_clip: float | None = 0.5
-    """the critic's values move at most this far from the rollout's per update (verl's default;
-    None: the unclipped 1/2 (V - R)^2)"""
+    """how far values may move from the rollout's per update (verl's default; None: unclipped)"""
 
 
 # ALGO LOGIC: rewards, advantages and the losses
@@ -154,9 +151,9 @@ def policy_lambda(mask: torch.Tensor, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE (§3.1): the critic's targets R_t with lambda_critic, the policy's advantages
-    with the length-adaptive lambda (whitened), both on the same values and the outcome reward on
-    the last token. rewards: [N]; values, mask: [N, T]. Returns (advantages, R_t), [N, T] each."""
+    """Decoupled GAE (§3.1) on the same values and last-token reward: the critic's targets with
+    lambda_critic, the policy's advantages with the length-adaptive lambda, whitened. rewards: [N];
+    values, mask: [N, T]. Returns (advantages, R_t), [N, T] each."""
     token_rewards = outcome_token_rewards(rewards, mask)
     _, returns = compute_gae(token_rewards, values, mask, args.gamma, args.lam_critic)
     lam = policy_lambda(mask, args)
@@ -177,8 +174,8 @@ def compute_policy_loss(
     positive: torch.Tensor | None = None,
     num_pos_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """VAPO's loss: the token-mean PPO loss with Clip-Higher plus mu times the NLL of the correct
-    completions, -1/sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it) (§3.3).
+    """VAPO's loss (§3.3): the token-mean PPO loss with Clip-Higher plus mu times the correct
+    completions' token-mean NLL.
 
     logps, old_logps, mask, advantages: [B, T] (the advantage is per token); positive: [B], 1 for a
     correct completion (None: no NLL term). num_tokens / num_pos_tokens: the mini-batch's token
@@ -247,9 +244,9 @@ def update_policy(
             plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            # ALGO LOGIC: the LM loss's normaliser, the mini-batch's tokens of correct completions
+            # ALGO LOGIC: the NLL's normaliser, the mini-batch's correct tokens
             num_pos, _ = grad_normalizers([m["mask"] * m["positive"][:, None] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
@@ -284,7 +281,7 @@ def update_policy(
     return stats
 
 
-# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+# TRY NOT TO MODIFY: the critic's update loop
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
     """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
     epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
@@ -299,7 +296,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
             plan = micro_batches(mini_rows.tolist(), batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, _ = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(critic):
@@ -323,7 +320,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; all checks before the run directory is written
+    # TRY NOT TO MODIFY: setup
     args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
@@ -346,7 +343,7 @@ def main(args: Args) -> None:
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions per prompt; --off-policy-steps K: sampled K steps ago
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -363,13 +360,13 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
-        # DATA: --gt-injection / --replay may replace groups; metrics describe the policy's samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         # ALGO LOGIC: the critic's values, its targets and the advantages are per token
         token_fields = ["old_values", "returns", "advantages"]
@@ -415,7 +412,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )
