@@ -14,11 +14,10 @@ No KL; a token mean and dynamic sampling (DAPO §3.2, as MiniMax §3.1; the loop
     w_it = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)     --cispo-form minimax (eq. 5; no floor)
     r_it = pi(o_it) / pi_old(o_it),   A_i = (R_i - mean_g R) / (std_g R + eps)    (eq. 2)
 
-Defaults: dapo.py's one-node DAPO setting, in which MiniMax validates CISPO (§3.1), with ScaleRL's
-cap and no length penalty (MiniMax's own setting: docs/algorithms.md). Our choices: as dapo.py (the
-std, the verifier); a 0/1 reward. Not implemented: ScaleRL's other changes (prompt-level
-aggregation, batch-std advantages, async PipelineRL). Not from either paper: --rollout-correction
-(on with vLLM), which multiplies the CISPO weight.
+Defaults: dapo.py's DAPO setting, in which MiniMax validates CISPO (§3.1), with ScaleRL's cap and
+no length penalty (MiniMax's own: docs/algorithms.md). Our choices: as dapo.py; a 0/1 reward. Not
+implemented: ScaleRL's other changes (prompt-level aggregation, batch-std advantages, PipelineRL).
+--rollout-correction (on with vLLM; in neither paper) multiplies the CISPO weight.
 
     accelerate launch cispo.py --eval-every 5                  # the paper setting, on GPUs
     python cispo.py --model-name-or-path /tmp/toy/model ...    # README "Quickstart": a CPU run
@@ -106,8 +105,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (MiniMax eq. 2, as GRPO). rewards: [N], groups
-    contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (MiniMax eq. 2, as GRPO), std unbiased.
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -121,8 +120,8 @@ def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def mini_batch_count(rows: int, size: int) -> int:
-    """Optimizer steps for `rows` rows in mini-batches of at least `size` rows: the largest divisor
-    of `rows` up to rows // size, at least 1 (fewer groups: fewer steps)."""
+    """Optimizer steps for `rows` rows in mini-batches of at least `size`: the largest divisor of
+    `rows` up to rows // size (fewer groups, fewer steps; at least 1)."""
     count = max(1, rows // size)
     while rows % count:
         count -= 1
@@ -175,8 +174,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -8,8 +8,8 @@ PRIME-RL/Entropy-Mechanism-of-RL.
 
 What this algorithm changes vs GRPO: entropy collapses while log pi and A covary, so a tiny share of
 the highest-covariance tokens leaves the update (Clip-Cov) or is held near pi_old (KL-Cov), as the
-official code computes it (verl/trainer/ppo/core_algos.py), with a token mean (DAPO's) over the
-mini-batch's N tokens, r = pi / pi_old and A_i = (R_i - mean_g R) / (std_g R + eps):
+official code (verl/trainer/ppo/core_algos.py), with a token mean (DAPO's) over the mini-batch's N
+tokens and r = pi / pi_old:
 
     Cov_it = (A_i - mean A) (log pi_it - mean log pi)        (means over the mini-batch's tokens)
     clip: L = 1/N sum_it 1[it not in S] max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
@@ -17,11 +17,11 @@ mini-batch's N tokens, r = pi / pi_old and A_i = (R_i - mean_g R) / (std_g R + e
     kl:   L = 1/N sum_it [-A_i r_it + coef 1[it in S] |log r_it|]    (no clip; |log r|: the KL)
           S: the max(1, int(kl_cov_ratio N)) tokens of largest Cov
 
-Our choices: S is chosen once per mini-batch over all ranks, at the policy its update starts from
-(the official code: per micro-batch, so S depends on the split), by i.i.d. uniform keys per token
-that also break ties at the k-th value; std unbiased, eps_std = 1e-6; --rollout-correction (on with
-vLLM) weights the policy term. Defaults: the official 7B recipes (docs/algorithms.md), but grpo.py's
-MATH (the paper's DAPO-MATH files are not on the hub) and no dynamic sampling (dapo.py has it).
+Our choices: S is chosen once per mini-batch over all ranks, at the policy the update starts from
+(the official code: per micro-batch, so S depends on the split), ties broken by random keys;
+--rollout-correction (on with vLLM) weights the policy term. Defaults: the official 7B recipes
+(docs/algorithms.md) on grpo.py's MATH (the paper's DAPO-MATH files are not on the hub), without
+dynamic sampling (dapo.py has it).
 
     accelerate launch clip_cov.py                              # the 7B recipe, on GPUs
     python clip_cov.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
@@ -70,30 +70,30 @@ class Args(SharedArgs):
     clip_eps_high: float = 1.0
     """clip form: PPO clip, r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     clip_cov_ratio: float = 2e-4
-    """clip form: max(1, int(clip_cov_ratio N)) of a mini-batch's N tokens are drawn, detached"""
+    """clip form: the share of a mini-batch's tokens drawn and detached (at least 1)"""
     clip_cov_lb: float = 1.0
     """clip form: only tokens with clip_cov_lb < Cov < clip_cov_ub are drawn"""
     clip_cov_ub: float = 5.0
     """clip form: the band's upper end"""
     kl_cov_ratio: float = 2e-3
-    """kl form: the max(1, int(kl_cov_ratio N)) tokens of largest Cov get the penalty (32B: 2e-4)"""
+    """kl form: the share of tokens, largest Cov first, penalised (at least 1; 32B: 2e-4)"""
     kl_cov_coef: float = 1.0
     """kl form: coefficient of the |log r| penalty on them (the official ppo_kl_coef)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -101,9 +101,8 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 
 def select_tokens(now, old, advantages, mask, args: Args, keys) -> torch.Tensor:
     """S, [N, C] bool, over all ranks: kl, the k largest Cov (float64); clip, the k candidates of
-    smallest key (the official randperm's distribution). now: the log-probs the mini-batch's update
-    starts from; mask: this rank's tokens of it; keys: i.i.d. uniform per token, which also break
-    ties at the k-th value, so exactly k are selected."""
+    smallest key (the official randperm's law). now: the log-probs the update starts from; mask:
+    this rank's tokens of the mini-batch; keys: i.i.d. uniform, also breaking ties (exactly k)."""
 
     def kth_largest(x, k):  # over all ranks, each sending its k largest
         return batching.global_cat(x.flatten().topk(min(k, x.numel())).values).topk(k).values[-1]
@@ -190,8 +189,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -297,7 +296,7 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the tokens update_policy selects are per token, as the mask
+        # ALGO LOGIC: update_policy's token selection, per token
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["cov_select"])
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)

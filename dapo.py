@@ -15,13 +15,13 @@ all-right and all-wrong groups (A = 0) are dropped and more prompts sampled unti
     R_i = +1 if correct else -1 (eq. 7)  +  R_len(|o_i|) (eq. 13):
     R_len = 0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to L_max, else -1
 
-Defaults: §4.1 where one node can, verl's recipe where the paper is silent (docs/algorithms.md).
-Our choices: Qwen2.5-7B (the paper's 32B does not fit one node); std unbiased, eps_std = 1e-6; the
-filter counts correct answers (eq. 8, verl's metric=acc); the rounds draw fresh prompts from one
-checkpointed stream; the ranks keep as many groups as the poorest one, and after --max-gen-batches
-rounds a step trains on what it has; rollout metrics cover every generated completion. Overlong
-filtering (§3.4) is off, as in the final recipe. math-verify judges math_dapo's "Answer:" line
-(math_dapo compares normalised strings). Not from the paper: --rollout-correction (on with vLLM).
+Defaults: §4.1 where one node can, else verl's recipe (docs/algorithms.md). Our choices: Qwen2.5-7B
+(the paper's 32B does not fit one node); the unbiased std; the filter counts correct answers (eq.
+8, verl's metric=acc); the rounds draw fresh prompts from one checkpointed stream, the ranks keep
+as many groups as the poorest, and after --max-gen-batches rounds a step trains on what it has;
+rollout metrics cover every generated completion; no overlong filtering (§3.4; the final recipe
+has none); math-verify judges math_dapo's "Answer:" line (math_dapo compares strings).
+--rollout-correction (on with vLLM) is not from the paper.
 
     accelerate launch dapo.py --eval-every 5                   # the paper setting, on GPUs
     python dapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -106,8 +106,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DAPO eq. 9, as GRPO). rewards: [N], groups
-    contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DAPO eq. 9, as GRPO), std unbiased.
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -127,8 +127,8 @@ def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor, args: Args) -> 
 
 
 def mini_batch_count(rows: int, size: int) -> int:
-    """Optimizer steps for `rows` rows in mini-batches of at least `size` rows: the largest divisor
-    of `rows` up to rows // size, at least 1 (fewer groups: fewer steps)."""
+    """Optimizer steps for `rows` rows in mini-batches of at least `size`: the largest divisor of
+    `rows` up to rows // size (fewer groups, fewer steps; at least 1)."""
     count = max(1, rows // size)
     while rows % count:
         count -= 1
@@ -178,8 +178,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -81,13 +81,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -113,9 +113,9 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(adv, bucket, mask, args, num_tokens=None, old_logps=None, rollout_logps=None):
-    """[3, G+1] float64, per bucket: M_mu, the sequences, L_mu at r = 1 (each token weighted by the
-    rollout correction; 1 without old_logps). With the mini-batch's num_tokens the rows add up over
-    micro-batches and ranks (the sequences / world size)."""
+    """[3, G+1] float64, per bucket: M_mu, the sequences, L_mu at r = 1 (tokens weighted by the
+    rollout correction given old_logps). With the mini-batch's num_tokens the rows add up over
+    micro-batches and ranks."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     rc = 1.0 if old_logps is None else rollout_correction(old_logps, rollout_logps, mask, args)[0]
@@ -133,8 +133,8 @@ def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> tor
 
 
 class DaroWeights:
-    """The bucket weights w_mu = exp(s_mu), c = 0..G (0 and G unused), with their own optimizer,
-    checkpointed by accelerate. float64: ranks stepping on the same inputs stay identical."""
+    """The bucket weights w_mu = exp(s_mu), c = 0..G (0, G unused), and their optimizer; float64,
+    so ranks stepping on the same inputs stay identical."""
 
     def __init__(self, args: Args, device: torch.device | str = "cpu"):
         self.group_size = args.group_size
@@ -246,8 +246,8 @@ def update_policy(
     num_mini_batches=None,
     daro=None,
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     # ALGO LOGIC: main's w_mu, else w = 1
     daro = DaroWeights(args, device) if daro is None else daro

@@ -6,23 +6,22 @@ https://arxiv.org/abs/2602.04879 (v3), section 4.3, eq. (12), binary TV / KL eqs
 gradient form eq. (23) (App. C.1). Official code: sail-sg/Stable-RL (compute_policy_loss_with_mask).
 
 What this algorithm changes vs GRPO: the ratio is to the behaviour policy mu, the sampler's own
-log-probs (with --off-policy-steps K, the policy of K steps ago), and PPO's ratio clip becomes a
-mask on a divergence D of the binary distribution {sampled token, the rest}: a token loses its
-gradient only when D exceeds delta AND it moved in its advantage's direction (p > p_mu for A > 0,
-p < p_mu for A <= 0). As the official code computes it, with p = pi(o_it), p_mu = mu(o_it), and M
-and the weight at the detached current pi:
+log-probs (with --off-policy-steps K, K steps old), and PPO's ratio clip becomes a mask on a
+divergence D of the binary distribution {sampled token, the rest}: a token loses its gradient only
+when D exceeds delta AND it moved in its advantage's direction (p > p_mu for A > 0, p < p_mu for
+A <= 0). As the official code, with p = pi(o_it), p_mu = mu(o_it), M and the weight at the
+detached current pi:
 
     L = -1/(N L_max) sum_i sum_t M_it sg(min(pi_it / mu_it, C)) A_i log pi_it
     D = |p - p_mu|                                                   --dppo-divergence binary-tv
     D = p_mu log(p_mu / p) + (1 - p_mu) log((1 - p_mu) / (1 - p))     --dppo-divergence binary-kl
     A_i = R_i - mean_g R                                                    (Dr. GRPO's: no std)
 
-pi/mu is the whole importance weight, so --rollout-correction is not applied on top (explicit modes
-are refused); rows the sampler did not produce (--gt-injection, --replay) take mu = old_logps. With
---top-p < 1, p_mu is renormalised over the nucleus and the masks see a systematic divergence (keep
-top_p = 1). Defaults: the authors' verl script (docs/algorithms.md). Our choices: Qwen3-8B-Base
-(the paper's Qwen3-30B-A3B-Base does not fit one node); grpo.py's evaluation. Not implemented: the
-Top-K divergence.
+pi/mu is the whole importance weight: no --rollout-correction on top (explicit modes are refused);
+rows the sampler did not produce take mu = old_logps. With --top-p < 1, p_mu is renormalised over
+the nucleus and the masks see a systematic divergence. Defaults: the authors' verl script
+(docs/algorithms.md). Our choices: Qwen3-8B-Base (their 30B-A3B does not fit one node); grpo.py's
+evaluation. Not implemented: the Top-K divergence.
 
     accelerate launch dppo.py                                  # the paper setting, on GPUs
     python dppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -70,24 +69,24 @@ class Args(SharedArgs):
     dppo_divergence: Literal["binary-tv", "binary-kl"] = "binary-tv"
     """D of {sampled token, the rest}: binary-tv |p - p_mu|, binary-kl KL(Bern(p_mu) || Bern(p))"""
     dppo_delta_low: float | None = None
-    """delta for A <= 0: p < p_mu with D above it: masked (None: 0.15 binary-tv, 0.05 binary-kl)"""
+    """delta for A <= 0, p < p_mu (None: 0.15 binary-tv, 0.05 binary-kl)"""
     dppo_delta_high: float | None = None
-    """delta for A > 0: p > p_mu with D above it: masked (None: 0.15 binary-tv, 0.05 binary-kl)"""
+    """delta for A > 0, p > p_mu (None: 0.15 binary-tv, 0.05 binary-kl)"""
     dppo_is_cap: float | None = None
-    """C: the importance weight sg(pi/mu) truncated at C (None: untruncated, the authors' 1e4)"""
+    """C: sg(pi/mu) truncated at C (None: untruncated; the authors' 1e4)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = R_i - mean_g R (Dr. GRPO's, as the authors' script: norm_adv_by_std_in_grpo=False).
-    rewards: [N], groups contiguous. A group whose rewards are all equal gets 0."""
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     return adv.view(-1)
@@ -134,7 +133,7 @@ def compute_policy_loss(
         div = p_mu * (mu - now) + torch.where(p_mu < 1, rest, 0.0)
     default = 0.15 if args.dppo_divergence == "binary-tv" else 0.05  # the authors' script
     low, high = (default if d is None else d for d in (args.dppo_delta_low, args.dppo_delta_high))
-    # masked: beyond delta AND moved in the advantage's direction (back towards mu is never masked)
+    # beyond delta AND moved in the advantage's direction (never when back towards mu)
     masked = torch.where(adv > 0, (div > high) & (p > p_mu), (div > low) & (p < p_mu))
     per_token = -weight * ~masked * adv * logps
     stats = {}
@@ -157,8 +156,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -14,11 +14,11 @@ the advantage by the group's std favours too easy and too hard questions, so it 
     J = E[ 1/(N L_max) sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]     (Listing 1)
     A_i = R_i - mean(R_1..R_G)                                                        (§3.2)
 
-Defaults: the Oat-Zero-1.5B run (Table 4) by oat's examples/qwen2.5-math-1.5b.sh, on its data,
-hiyouga/math12k (docs/algorithms.md; the paper's MATH levels 3-5 have no hub id: export them to
-.jsonl for --dataset-name). From the official code, not the paper: a truncated completion gets
-reward 0 (here only in dr_grpo.py); the last-\\boxed{} verifier. Not reproduced: oat's Adam betas
-(0.9, 0.95), its truncated IS correction. Not from the paper: --rollout-correction (on with vLLM).
+Defaults: the Oat-Zero-1.5B run (Table 4) by oat's examples/qwen2.5-math-1.5b.sh, on its data
+(docs/algorithms.md; the paper's MATH levels 3-5 have no hub id). From the official code: reward 0
+for a truncated completion (only in dr_grpo.py here); the last-\\boxed{} verifier. Not reproduced:
+oat's Adam betas (0.9, 0.95), its truncated IS correction. --rollout-correction (on with vLLM) is
+not from the paper.
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
     python dr_grpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -75,8 +75,7 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = R_i - mean_g R (§3.2: no std). rewards: [N], groups contiguous. A group whose rewards
-    are all equal gets 0."""
+    """A_i = R_i - mean_g R (§3.2: no std). rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     return adv.view(-1)
@@ -124,8 +123,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -6,23 +6,20 @@ the clip range e^(+-0.4): section 3 (ii) and Table 5. Official code: callsys/GMP
 (train_zero_math_gmpo.py, scripts/qwen2.5-math-7b-gmpo.sh) on the oat framework, as Dr. GRPO's.
 
 What this algorithm changes vs GRPO: a sequence's objective is the geometric mean of its tokens'
-clipped ratios, not their arithmetic mean, so an outlier token moves it by its |o_i|-th root rather
-than linearly. PPO's pessimistic min is taken per token in log space, before the mean, with a wider
-clip range; on-policy the gradient is GRPO's:
+clipped ratios, so an outlier token moves it by its |o_i|-th root, not linearly. PPO's pessimistic
+min is taken per token in log space, with a wider clip range; on-policy the gradient is GRPO's:
 
     J = E[ 1/G sum_i A_i exp( 1/|o_i| sum_t c_it ) ],  d_it = log(pi / pi_old)(o_it | q, o_i,<t)
     c_it = min(d_it, clip(d_it, -eps_low, eps_high)) if A_i > 0, else max(d_it, clip(d_it, ...))
     A_i = (R_i - mean_g R) / (std_g R + eps)                      (official: --critic_type grpo)
     dJ / dlog pi_it = A_i exp(1/|o_i| sum_t c_it) / (G |o_i|) if the token is unclipped, else 0
 
-Defaults: the official qwen2.5-math-7b-gmpo.sh (docs/algorithms.md), but its data, MATH levels 3-5,
-has no hub id (export it to .jsonl for --dataset-name): dr_grpo.py's hiyouga/math12k instead. Not
-reproduced: the official zero reward of a truncated completion (dr_grpo.py has it), oat's Adam
-betas (0.9, 0.95), its std eps 1e-8 (ours 1e-6) and evaluation suite. Our choices: a sequence
-without tokens contributes 0; beta > 0 adds a k3 KL averaged over each sequence's tokens (official
-code, TRL); log-ratios are not clamped (official code, verl, TRL); the \\boxed{} verifier;
---rollout-correction (on with vLLM) weights each sequence by the geometric mean of its token
-weights, detached (verl's geo_mean), so a *-mask zero drops it.
+Defaults: the official script (docs/algorithms.md) on dr_grpo.py's hiyouga/math12k (its MATH levels
+3-5 have no hub id). Not reproduced: the zero reward of a truncated completion (dr_grpo.py has it),
+oat's Adam betas, its std eps 1e-8 (ours 1e-6) and evaluation suite. Our choices: an empty sequence
+contributes 0; beta > 0 adds a k3 KL averaged per sequence (official code, TRL); unclamped
+log-ratios (official code, verl, TRL); --rollout-correction (on with vLLM) weights a sequence by
+its token weights' geometric mean, detached (verl's geo_mean), so a *-mask zero drops it.
 
     accelerate launch gmpo.py                                  # the paper setting, on GPUs
     python gmpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -70,20 +67,20 @@ class Args(SharedArgs):
     gmpo_clip_high: float = 0.4
     """log-space clip: log r > gmpo_clip_high stops a positive-advantage token's gradient"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -142,8 +139,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

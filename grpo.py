@@ -52,20 +52,20 @@ class Args(SharedArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     beta: float = 0.04
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -119,8 +119,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

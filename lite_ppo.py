@@ -8,17 +8,16 @@ token_level_loss true).
 What this algorithm changes vs GRPO: two of the paper's tricks and nothing else. (1) The advantage's
 baseline is still the group mean, but its scale is the std of all the rollout's rewards (every
 rank), not the group's, which with 0/1 rewards blows up nearly all-right or all-wrong groups. (2) A
-token-level loss: every token of the mini-batch weighs the same. PPO's symmetric clip; no KL, no
-clip-higher, no overlong filtering or dynamic sampling:
+token-level loss: every token of the mini-batch weighs the same. PPO's symmetric clip; no KL:
 
     A_i = (R_i - mean_{j in group(i)} R_j) / (std_{all j in the batch} R_j + eps)
     J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]
 
 Defaults: the paper's setup (docs/algorithms.md). Our choices: Qwen3-4B-Base (the paper: Qwen3-4B
-and 8B, Base and aligned); zwhe99/DeepMath-103K, the source of the paper's unreleased Medium and
-Hard sets; the qwen-boxed prompt and verifier; the unbiased batch std over every rank (ROLL, TRL);
-the paper's top_k 100 is not exposed. Not from the paper: --rollout-correction (on with vLLM),
-whose weights sit slightly below 1 at top_p 0.99 (docs/algorithms.md, "Rollout correction").
+and 8B, Base and aligned); zwhe99/DeepMath-103K, the source of the paper's unreleased sets; the
+qwen-boxed prompt and verifier; the unbiased batch std over every rank (ROLL, TRL); no top_k 100.
+--rollout-correction (on with vLLM; not from the paper) sits slightly below 1 at top_p 0.99
+(docs/algorithms.md, "Rollout correction").
 
     accelerate launch lite_ppo.py                                  # the paper setting, on GPUs
     python lite_ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -71,14 +70,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = (R_i - mean_g R) / (std_batch R + eps). rewards: [N], this rank's share, groups
-    contiguous; the std is unbiased, over every rank's rewards (all ranks hold as many). A group
-    whose rewards are all equal gets A = 0."""
+    contiguous; the std is unbiased, over every rank's rewards (all ranks hold as many)."""
     r = rewards.view(-1, args.group_size)
     everything = rewards
     if (
@@ -133,8 +131,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -6,10 +6,10 @@ Zheng et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) a
 (M2: eq. (4), section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
 
 What this algorithm changes vs GRPO: it trains on stale rollouts. The ratio is to the behaviour
-policy mu, the sampler's own log-probs (the paper's pi_theta_old; with --off-policy-steps K, K
-steps old), unclipped; instead the mean (log r)^2 of the trust-region tokens T (those a ratio clip
-would act on: A > 0 with r > 1, A < 0 with r < 1, as the official code) is kept under tau by
-dropping the largest. Dropped tokens still count in the token mean:
+policy mu, the sampler's own log-probs (the paper's pi_theta_old), unclipped; instead the mean
+(log r)^2 of the trust-region tokens T (those a ratio clip acts on: A > 0 with r > 1, A < 0 with
+r < 1, as the official code) is kept under tau by dropping the largest. Dropped tokens still count
+in the token mean:
 
     J = 1/sum_i |o_i| sum_i sum_t M_it r_it A_i,   r_it = pi_theta(o_it) / mu(o_it)
     Algorithm 1: M2_it = (log r_it)^2; while mean_T M2 > tau: j = argmax_T M2, M_j = 0, T = T - {j}
@@ -17,10 +17,10 @@ dropping the largest. Dropped tokens still count in the token mean:
 
 Our choices: Algorithm 1 as the paper states it, once per mini-batch over all ranks, at the
 mini-batch's starting policy (the official code solves for an adaptive ratio clip instead; the
-peers select per micro-batch). r is the whole importance weight: no --rollout-correction on top
-(explicit modes are refused); rows the sampler did not produce take mu = old_logps. Defaults: the
-official train-scripts on one node (docs/algorithms.md), with qwen-boxed's prompt, a 0/1 reward
-(the paper: 0.1 for an extractable answer + 1 if correct) and grpo.py's evaluation.
+peers select per micro-batch); mu = old_logps for rows the sampler did not produce; no
+--rollout-correction on top of r (explicit modes are refused). Defaults: the official
+train-scripts on one node (docs/algorithms.md), with qwen-boxed's prompt, a 0/1 reward (the paper:
+0.1 for an extractable answer + 1 if correct) and grpo.py's evaluation.
 
     accelerate launch m2po.py                                  # the paper setting (s0), on GPUs
     accelerate launch m2po.py --off-policy-steps 64 --num-mini-batches 4   # s256: 256 stale updates
@@ -68,20 +68,20 @@ class Args(SharedArgs):
     m2po_scope: Literal["trust-region", "all"] = "trust-region"
     """trust-region: the tokens a ratio clip acts on (official code); all: every token (AReaL)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -95,10 +95,9 @@ def behaviour(old_logps: torch.Tensor, rollout_logps: torch.Tensor | None) -> to
 
 
 def m2po_select(now, mu, advantages, mask, args: Args) -> torch.Tensor:
-    """Algorithm 1 over every rank's part of a mini-batch: the dropped tokens, [B, T] bool. now,
-    mu: [B, T] log-probs of pi_theta and mu. Dropping the largest M2 never raises the mean, so the
-    loop drops the shortest prefix of the candidates' M2 sorted descending whose remaining suffix
-    has mean <= tau (all if none has): one all-gather, then the threshold applied locally."""
+    """Algorithm 1 over all ranks: the dropped tokens, [B, T] bool; now, mu: [B, T] log-probs.
+    Dropping the largest M2 never raises the mean, so the loop drops the shortest prefix of the
+    sorted M2 whose remaining suffix has mean <= tau (all if none has)."""
     d = now - mu
     m2, adv = d * d, advantages[:, None]
     cand = mask > 0
@@ -161,8 +160,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -267,7 +266,7 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the tokens update_policy selects are per token, as the mask
+        # ALGO LOGIC: update_policy's token selection, per token
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["m2po_drop"])
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)

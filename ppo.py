@@ -5,24 +5,22 @@ Paper: Open-Reasoner-Zero, Hu et al. 2025, https://arxiv.org/abs/2503.24290 (§2
 Open-Reasoner-Zero/Open-Reasoner-Zero@3fdd9a0 playground/orz_7b_ppo.py, orz/ppo). What a critic
 needs in long chains of thought: VC-PPO, Yuan et al. 2025, https://arxiv.org/abs/2503.01491.
 
-What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head,
-common/critic.py) replaces the group baseline: GAE on its values turns the outcome reward on the
-last token into an advantage per token, and the critic regresses on the GAE returns with PPO's
-clipped value loss (its own optimizer, lr and warm-up). The policy loss is PPO's clip with a token
-mean; no KL:
+What this algorithm changes vs GRPO: a critic V (a causal LM with a scalar head, common/critic.py)
+replaces the group baseline: GAE on its values turns the last token's outcome reward into per-token
+advantages, and it regresses on the GAE returns (PPO's clipped value loss, its own optimizer). The
+policy loss is PPO's clip with a token mean; no KL:
 
     delta_t = r_t + gamma V_t+1 - V_t,   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V_t
     A whitened over the rollout's tokens (all ranks) ("batch level advantage normalization", §3.1)
     J_policy = 1/sum_i |o_i| sum_i sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
     L_value = 1/(2 sum_i |o_i|) sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
 
-With gamma = lam = 1 and the reward only at the end, A_t = R - V_t and R_t = R: a per-token
-Monte-Carlo baseline. Defaults: ORZ's 7B run, §3.1 and its code (docs/algorithms.md), whose value
-clip eq. 2 lacks (--value-clip None). Our choices: Qwen2.5-7B (ORZ also trains 32B), grpo.py's data
-and evaluation; the critic's head starts at zero (ORZ: random; common/critic.py says why); the
-token mean over the mini-batch (ORZ: per packed micro-batch); torch's AdamW betas (ORZ: 0.9, 0.95);
-under --lora-rank the critic's own adapters. Not from the paper: --rollout-correction (on with
-vLLM) weighs the policy term.
+With gamma = lam = 1 and the reward at the end, A_t = R - V_t and R_t = R. Defaults: ORZ's 7B run,
+§3.1 and its code (docs/algorithms.md; the value clip is the code's, eq. 2 has none). Our choices:
+Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and evaluation; the head starts at zero (ORZ:
+random; common/critic.py says why); the token mean is the mini-batch's (ORZ: a packed
+micro-batch's); torch's AdamW betas (ORZ: 0.9, 0.95); LoRA gives the critic its own adapters. Not
+from the paper: --rollout-correction (on with vLLM) weighs the policy term.
 
     accelerate launch ppo.py                                  # the paper setting, on GPUs
     python ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -105,10 +103,9 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened: A_t = delta_t
-    + gamma lam A_next, R_t = A_t + V_t, right to left; a position with mask 0 (a tool's output) is
-    skipped, the next value and the running advantage carrying past it. token_rewards, values,
-    mask: [B, T]; lam: a float or [B]. Returns (advantages, returns), [B, T]."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened; a position
+    with mask 0 (a tool's output) is skipped, the next value and the running advantage carrying
+    past it. token_rewards, values, mask: [B, T]; lam: a float or [B]. Returns (A, R), [B, T]."""
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
     next_value = torch.zeros_like(values[:, 0])
     running = torch.zeros_like(values[:, 0])
@@ -133,9 +130,8 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """A critic's advantages: the outcome reward on the last token, GAE with --gamma and --lam on
-    the critic's values, whitened. rewards: [N]; values, mask: [N, T]. Returns (advantages, the
-    critic's targets R_t), [N, T] each."""
+    """GAE on the critic's values from the last token's reward, whitened. rewards: [N]; values,
+    mask: [N, T]. Returns (advantages, the critic's targets R_t), [N, T] each."""
     advantages, returns = compute_gae(
         outcome_token_rewards(rewards, mask), values, mask, args.gamma, args.lam
     )
@@ -201,8 +197,8 @@ def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

@@ -2,27 +2,26 @@
 """REINFORCE++: PPO without a critic, the KL inside the reward and advantages normalised globally.
 
 Paper: Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global
-Normalization", https://arxiv.org/abs/2501.03262 (v9): eq. 1, eq. 4-5 and Algorithm 1; w/ Baseline:
-eq. 6-8; the settings: v1 §4.2 Table 1. Official code: OpenRLHF (experience_maker.py, estimators
-reinforce and reinforce_baseline).
+Normalization", https://arxiv.org/abs/2501.03262 (v9: eq. 1, 4-5, Algorithm 1; w/ Baseline: eq.
+6-8; the settings: v1 §4.2 Table 1). Official code: OpenRLHF (experience_maker.py).
 
-What this algorithm changes vs GRPO: no group statistics and no KL term in the loss. A k1 KL to a
+What this algorithm changes vs GRPO: no group statistics and no KL term in the loss: a k1 KL to a
 frozen reference is a penalty in every token's reward, the outcome sits on the last token, and a
-token's advantage is its return, normalised over all the rollout's tokens (every rank): per token,
-[B, T]. PPO's clip with GRPO's per-sequence token mean (eq. 1):
+token's advantage is its return, normalised over all the rollout's tokens (every rank), so per
+token. PPO's clip with GRPO's per-sequence token mean:
 
     R_t = [t = |o|] r - beta KL(t),   KL(t) = log pi_old(o_t) - log pi_ref(o_t)        (eq. 4)
     G_t = sum_{u >= t} gamma^(u-t) R_u,   A_t = (G_t - mean_batch G) / (std_batch G + eps)  (eq. 5)
     J = E[ 1/|o| sum_t min(s_t A_t, clip(s_t, 1-eps, 1+eps) A_t) ],  s_t = pi / pi_old  (eq. 1)
 
---group-baseline (w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as above, and
-a k2 KL loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a completion
-(a tool's output) gets no reward; the return carries past it undiscounted (verl).
+--group-baseline (w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as above; the
+KL is a k2 loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a
+completion (a tool's output) gets no reward; the return carries past it (verl).
 
-Defaults: v1 Table 1 (docs/algorithms.md) on grpo.py's model, data and lengths. Our choices: the
+Defaults: v1 Table 1 (docs/algorithms.md), grpo.py's model, data and lengths. Our choices: the
 population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5; OpenRLHF clamps the
-variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); k = 1 refused (--group-size >= 2).
-Not from the paper: the answer format; --rollout-correction (on with vLLM) on the policy term.
+variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); no k = 1 (--group-size >= 2);
+--rollout-correction (on with vLLM) weights the policy term.
 
     accelerate launch reinforce_pp.py                              # the paper setting, on GPUs
     python reinforce_pp.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
@@ -63,13 +62,13 @@ class Args(SharedArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     beta: float = 0.001
-    """KL coefficient: k1 in every token's reward; --group-baseline: a k2 loss (0: no reference)"""
+    """KL coefficient: k1 in the reward; --group-baseline: a k2 loss (0: no reference)"""
     adv_eps: float = 1e-6
     """eps in A = (G - mean) / (std + eps), over all the rollout's tokens"""
     gamma: float = 1.0
     """discount in a token's return (1: the paper's undiscounted sum)"""
     group_baseline: bool = False
-    """REINFORCE++ w/ Baseline: r - mean_g r on every token, normalised globally; KL as a k2 loss"""
+    """REINFORCE++ w/ Baseline: r - mean_g r on every token; KL as a k2 loss (eq. 6-8)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
@@ -97,9 +96,8 @@ def compute_advantages(
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token advantages [N, T] (eq. 4-5; --group-baseline eq. 6-7): returns normalised over
-    every rank's tokens. rewards: [N], this rank's share, groups contiguous; mask, old_logps (the
-    sampling policy's), ref_logps: [N, T] (the log-probs only with beta > 0)."""
+    """Per-token advantages [N, T] (eq. 4-7). rewards: [N], this rank's share, groups contiguous;
+    mask, old_logps (the sampler's policy), ref_logps: [N, T] (log-probs needed if beta > 0)."""
     r = rewards
     if args.group_baseline:  # eq. 6: the group's mean reward as the baseline, no std
         g = rewards.view(-1, args.group_size)
@@ -167,8 +165,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

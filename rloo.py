@@ -6,19 +6,18 @@ from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3
 official code (tools/compare_peers.py runs TRL's, verl's and OpenRLHF's RLOO beside this one).
 
 What this algorithm changes vs GRPO: the whole completion is one action (§2.2): its reward carries
-the k1 KL to a frozen reference summed over its tokens, its advantage subtracts the mean reward of
-the other G - 1 (no std), and the loss is REINFORCE's on the completion's log-probability: no
-ratio, no clip, no KL term; a long completion moves the policy more than a short one:
+the k1 KL to a frozen reference summed over its tokens, its baseline is the mean reward of the
+other G - 1 (no std), and the loss is REINFORCE's on its log-probability: no ratio, no clip, no KL
+term; a long completion moves the policy more than a short one:
 
     R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))                      (eq. 3-4)
     A_i = R_i - 1/(G-1) sum_{j != i} R_j  =  G/(G-1) (R_i - mean_g R)                   (§2.3)
     L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
 
-As in the paper (App. C), 2 gradient steps per rollout with this estimator, the second on the
-previous policy's samples. --rloo-loss token-clip is verl's and OpenRLHF's RLOO; TRL clips the
-sequence ratio. Defaults: App. C's TL;DR run (docs/algorithms.md); grpo.py's model, data, length
-and evaluation. Not from the paper: the template's answer format; --rollout-correction (on with
-vLLM) weights each token's policy term.
+As the paper (App. C): 2 gradient steps per rollout with this estimator, the second on the previous
+policy's samples. --rloo-loss token-clip is verl's and OpenRLHF's RLOO; TRL clips the sequence
+ratio. Defaults: App. C's TL;DR run (docs/algorithms.md) on grpo.py's model, data, lengths and
+evaluation. --rollout-correction (on with vLLM; not from the paper) weights each token's term.
 
     accelerate launch rloo.py                                  # the paper setting, on GPUs
     python rloo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -82,7 +81,7 @@ def kl_shaped_rewards(rewards, mask, old_logps, ref_logps, args: Args) -> torch.
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = R_i - 1/(G-1) sum_{j != i} R_j (§2.3). rewards: [N], the KL-shaped R, groups
-    contiguous. A group whose rewards are all equal gets A = 0."""
+    contiguous."""
     r = rewards.view(-1, args.group_size)
     baseline = (r.sum(dim=1, keepdim=True) - r) / (args.group_size - 1)  # the other G - 1
     return (r - baseline).view(-1)
@@ -136,8 +135,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

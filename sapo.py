@@ -7,17 +7,17 @@ SkyRL and AReaL implement it (identically, up to the aggregation).
 
 What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth gate on each token's ratio: a
 token's gradient is scaled down as r moves away from 1, never dropped, faster for negative
-advantages (tau_neg > tau_pos). The gate's 4 / tau gives it slope 1 at r = 1: on-policy SAPO is
-GRPO, hence several optimizer steps per rollout. No clip, no KL; GRPO's per-sequence token mean:
+advantages (tau_neg > tau_pos). The gate's slope is 1 at r = 1: on-policy SAPO is GRPO, hence
+several optimizer steps per rollout. No clip, no KL; GRPO's per-sequence token mean:
 
     J = E[ 1/G sum_i 1/|o_i| sum_t f(r_it) A_i ],  f(r) = sigmoid(tau (r - 1)) 4 / tau
     tau = tau_pos if A_i > 0 else tau_neg,  A_i = (R_i - mean_g R) / (std_g R + eps)
     d [f(r) A] / d log pi = w r A,  w = 4 s (1 - s),  s = sigmoid(tau (r - 1))  (w = 1 at r = 1)
 
-Defaults: docs/algorithms.md. Our choices: the log-ratio clamped to +-20 before exp (verl, SkyRL;
-the gate is flat there); A = 0 takes tau_neg (all peers; its term is 0); the std and the verifier
-as grpo.py; --rollout-correction (on with vLLM) weights each token's policy term (as verl and
-SkyRL), never the k3 KL term that --beta > 0 adds (grpo.py's).
+Defaults: docs/algorithms.md. Our choices: grpo.py's std and verifier; the log-ratio clamped to
++-20 (verl, SkyRL; the gate is flat there); A = 0 takes tau_neg (all peers; its term is 0);
+--rollout-correction (on with vLLM) weights each token's policy term (verl, SkyRL), never the k3
+KL that --beta > 0 adds (grpo.py's).
 
     accelerate launch sapo.py                                  # the paper setting, on GPUs
     python sapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -62,13 +62,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -126,8 +126,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs

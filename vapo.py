@@ -21,10 +21,10 @@ What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's s
         - mu / sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it)
 
 Defaults: §4.1 in DAPO's setting (docs/algorithms.md). Our choices: Qwen2.5-7B (the paper's 32B
-does not fit one node); the critic starts from the policy's checkpoint (the paper's from a reward
-model, which a verifier-based run does not have); where the paper is silent: DAPO's +-1 reward,
-gamma 1, verl's whitening and value clip 0.5, no critic warm-up or weight decay. Not from the
-paper: --rollout-correction (on with vLLM).
+does not fit one node); the critic starts from the policy (the paper's from a reward model, which
+a verifier-based run lacks); where the paper is silent: DAPO's +-1 reward, gamma 1, verl's
+whitening and value clip 0.5, no critic warm-up or weight decay; --rollout-correction (on with
+vLLM).
 
     accelerate launch vapo.py                                  # the paper setting, on GPUs
     python vapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -89,7 +89,7 @@ class Args(CriticArgs):
     clip_eps_high: float = 0.28
     """Clip-Higher: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     gamma: float = 1.0
-    """GAE's discount, for the critic's targets and the policy's advantages (paper silent: 1)"""
+    """GAE's discount, the critic's and the policy's (the paper is silent: 1)"""
     lam_critic: float = 1.0
     """GAE's lambda of the critic's targets (§3.1, decoupled GAE: 1.0, Monte-Carlo returns)"""
     lam_alpha: float = 0.05
@@ -117,10 +117,9 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened: A_t = delta_t
-    + gamma lam A_next, R_t = A_t + V_t, right to left; a position with mask 0 (a tool's output) is
-    skipped, the next value and the running advantage carrying past it. token_rewards, values,
-    mask: [B, T]; lam: a float or [B]. Returns (advantages, returns), [B, T]."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened; a position
+    with mask 0 (a tool's output) is skipped, the next value and the running advantage carrying
+    past it. token_rewards, values, mask: [B, T]; lam: a float or [B]. Returns (A, R), [B, T]."""
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
     next_value = torch.zeros_like(values[:, 0])
     running = torch.zeros_like(values[:, 0])
@@ -145,8 +144,7 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_lambda(mask: torch.Tensor, args: Args) -> torch.Tensor:
-    """Length-adaptive GAE (§3.2): lambda = 1 - 1 / (alpha l), l each completion's token count, [B];
-    at least 0 (the formula is negative for l < 1 / alpha)."""
+    """Length-adaptive GAE (§3.2): max(0, 1 - 1 / (alpha l)), l each completion's length. [B]"""
     return (1 - 1 / (args.lam_alpha * mask.sum(-1).clamp(min=1).double())).clamp(min=0)
 
 
@@ -230,8 +228,8 @@ def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """--ppo-epochs passes over one rollout, each in `num_mini_batches` optimizer steps accumulated
-    over micro-batches with the mini-batch's global normalisers. Returns rollout-mean stats."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
