@@ -80,15 +80,15 @@ class Args(SharedArgs):
     overlong_penalty: bool = True
     """add the soft overlong punishment (eq. 13) to the +-1 reward"""
     overlong_buffer_len: int = 4096
-    """L_cache: completions over max_new_tokens - L_cache are penalised, down to -1 at the budget"""
+    """L_cache: the budget's last L_cache tokens are penalised, down to -1 at the budget"""
     overlong_penalty_factor: float = 1.0
     """scale of the soft overlong punishment (verl's overlong_buffer.penalty_factor)"""
     overlong_filtering: bool = False
     """mask truncated completions out of the loss (§3.4; not in the final recipe)"""
     dynamic_sampling: bool = True
-    """drop all-correct and all-wrong groups and sample more prompts to refill the batch (§3.2)"""
+    """drop all-right and all-wrong groups, refilling the batch with new prompts (§3.2)"""
     max_gen_batches: int = 10
-    """at most this many generation rounds per step; then train on the informative groups so far"""
+    """generation rounds per step, at most; then train on the informative groups so far"""
     gen_prompts_per_round: int = 0
     """prompts per generation round, over all ranks (0: --prompts-per-step; verl's recipe: 3x)"""
 

@@ -17,11 +17,10 @@ With w = 1 it is GRPO with a token mean; for a fixed L_mu > 0 the optimal weight
 choice (the write-up is silent): on policy L_mu = -1/L sum_{i in mu} |o_i| A_i is often ~0 or
 negative, where min_w (w L_mu - ln w) has no minimum, so w is fitted to the advantage mass
 M_mu = 1/L sum_{i in mu} |o_i| |A_i| > 0: before each policy step s_mu = ln w_mu takes one step of
-its own optimizer on sum_mu (exp(s_mu) M_mu - s_mu), clamped to [ln w_min, ln w_max], whose optimum
-is w_mu M_mu = 1 (--daro-w-target loss: the write-up's w_mu L_mu = 1, floored; docs/algorithms.md,
-"DARO's weights"). M_mu and the bucket counts are all-reduced over ranks; w starts at 1 and is
-checkpointed. Defaults: docs/algorithms.md. As grpo.py: the std, --reward-format auto,
---rollout-correction (on with vLLM) weighting each token's term.
+its own optimizer on sum_mu (exp(s_mu) M_mu - s_mu), clamped to [ln w_min, ln w_max], optimal at
+w_mu M_mu = 1 (docs/algorithms.md, "DARO's weights"). M_mu and the bucket counts are all-reduced
+over ranks; w starts at 1 and is checkpointed. Defaults: docs/algorithms.md; the std, the verifier
+and --rollout-correction (on with vLLM) as grpo.py.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run

@@ -299,7 +299,7 @@ def main(args: Args) -> None:
     if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (state/ holds them in that order)
+    # ALGO LOGIC: the critic, prepared after the policy (the checkpoint's order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
@@ -319,7 +319,7 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
+        # ALGO LOGIC: rewards; the advantages need the critic's values (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
         # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
@@ -330,7 +330,7 @@ def main(args: Args) -> None:
 
         # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the critic's values, its targets and the advantages are per token
+        # ALGO LOGIC: the critic's values, targets and advantages, per token
         token_fields = ["old_values", "returns", "advantages"]
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, token_fields)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)

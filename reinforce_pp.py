@@ -7,16 +7,16 @@ Normalization", https://arxiv.org/abs/2501.03262 (v9: eq. 1, 4-5, Algorithm 1; w
 
 What this algorithm changes vs GRPO: no group statistics and no KL term in the loss: a k1 KL to a
 frozen reference is a penalty in every token's reward, the outcome sits on the last token, and a
-token's advantage is its return, normalised over all the rollout's tokens (every rank), so per
-token. PPO's clip with GRPO's per-sequence token mean:
+token's advantage is its return, normalised over all the rollout's tokens (every rank). PPO's clip
+with GRPO's per-sequence token mean:
 
     R_t = [t = |o|] r - beta KL(t),   KL(t) = log pi_old(o_t) - log pi_ref(o_t)        (eq. 4)
     G_t = sum_{u >= t} gamma^(u-t) R_u,   A_t = (G_t - mean_batch G) / (std_batch G + eps)  (eq. 5)
     J = E[ 1/|o| sum_t min(s_t A_t, clip(s_t, 1-eps, 1+eps) A_t) ],  s_t = pi / pi_old  (eq. 1)
 
---group-baseline (w/ Baseline, eq. 6-8): A' = r - mean_g r on every token, normalised as above; the
-KL is a k2 loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a
-completion (a tool's output) gets no reward; the return carries past it (verl).
+--group-baseline (w/ Baseline): A' = r - mean_g r on every token, normalised as above; the KL is a
+k2 loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a completion (a
+tool's output) gets no reward; the return carries past it (verl).
 
 Defaults: v1 Table 1 (docs/algorithms.md), grpo.py's model, data and lengths. Our choices: the
 population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5; OpenRLHF clamps the
@@ -248,7 +248,7 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
+        # ALGO LOGIC: rewards; the advantages follow the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
         # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)

@@ -216,7 +216,7 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
+        # ALGO LOGIC: rewards; the advantages follow the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
         # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
