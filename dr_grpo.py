@@ -63,7 +63,7 @@ class Args(SharedArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens scores 0 (official code); keep: as verified"""
+    """zero: a truncated completion scores 0 (the official code); keep: the verifier's score"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss

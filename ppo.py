@@ -77,7 +77,7 @@ class Args(CriticArgs):
     clip_eps_high: float = 0.2
     """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens scores 0 (ORZ's code); keep: as verified"""
+    """zero: a truncated completion scores 0 (ORZ's code); keep: the verifier's score"""
     gamma: float = 1.0
     """GAE's discount (ORZ §2.1.3: 1)"""
     lam: float = 1.0
