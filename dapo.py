@@ -20,7 +20,7 @@ Defaults: §4.1 where one node can, else verl's recipe (docs/algorithms.md). Our
 8, verl's metric=acc); the rounds draw fresh prompts from one checkpointed stream, the ranks keep
 as many groups as the poorest, and after --max-gen-batches rounds a step trains on what it has;
 rollout metrics cover every generated completion; no overlong filtering (§3.4; the final recipe
-has none); math-verify judges math_dapo's "Answer:" line (math_dapo compares strings).
+has none); math-verify judges math_dapo's "Answer:" line (math_dapo: normalised strings).
 --rollout-correction (on with vLLM) is not from the paper.
 
     accelerate launch dapo.py --eval-every 5                   # the paper setting, on GPUs
