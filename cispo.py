@@ -1,32 +1,23 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """CISPO: Clipped IS-weight Policy Optimization.
 
 Paper: MiniMax-M1, MiniMax 2025, https://arxiv.org/abs/2506.13585 (§3.1, eq. 3-5); the default cap
 is ScaleRL's (Khatri et al. 2025, https://arxiv.org/abs/2510.13786).
 
 What this algorithm changes vs GRPO: REINFORCE with a clipped, detached importance-sampling weight
-instead of PPO's clipped surrogate. PPO/GRPO drop the gradient of a token whose ratio left the trust
-region (silencing rare "fork" tokens such as "However", "Wait" after the first update, MiniMax
-found); CISPO clips only the weight, never drops a token, and has no lower bound: every token's
-gradient is sg(w_it) A_i grad log pi(o_it). No KL, no reference model; a token mean (as DAPO):
+instead of PPO's clipped surrogate: PPO drops the gradient of a token whose ratio left the trust
+region (rare "fork" tokens such as "However", "Wait", MiniMax found), CISPO only clips its weight.
+No KL; a token mean and dynamic sampling (DAPO §3.2, as MiniMax §3.1; the loop is dapo.py's):
 
     J = E[ 1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi(o_it | q, o_i,<t) ]       (MiniMax eq. 4)
     w_it = min(r_it, eps_max)                     --cispo-form scalerl (default; ScaleRL: 5)
     w_it = clip(r_it, 1 - eps_low^IS, 1 + eps_high^IS)     --cispo-form minimax (eq. 5; no floor)
     r_it = pi(o_it) / pi_old(o_it),   A_i = (R_i - mean_g R) / (std_g R + eps)    (eq. 2)
 
-Dynamic sampling (DAPO §3.2, as MiniMax §3.1 uses it): all-right or all-wrong groups have A = 0;
-they are dropped and more prompts sampled until the batch is full (the rollout loop is dapo.py's).
-Defaults: MiniMax validates CISPO in DAPO's zero-RL setting (§3.1: Qwen2.5-32B base, DAPO's math
-data, 16 off-policy updates per generation batch, dynamic sampling, no KL; AIME avg@32 at
-temperature 1.0, top_p 0.95, §5), so the defaults are dapo.py's one-node translation of it. Cap:
-eps_max = 5 (ScaleRL; insensitive to 4/5/8); MiniMax tunes eps_high^IS without reporting it:
---is-eps-high 0.2 follows verl's CISPO example. MiniMax's own setting is --cispo-form minimax
---overlong-penalty (docs/gpu.md). Not implemented: ScaleRL's other changes (prompt-level
-aggregation, batch-std advantages, async PipelineRL). Choices left open: std unbiased, eps_std =
-1e-6, A = 0 for a zero-variance group; a 0/1 reward, DAPO's +-1 with --overlong-penalty. Verifier:
-DAPO's "Answer:" line (--reward-format auto with the dapo template). Not from either paper:
---rollout-correction (on with vLLM), which multiplies the CISPO weight.
+Defaults: dapo.py's DAPO setting, in which MiniMax validates CISPO (§3.1), with ScaleRL's cap and
+no length penalty (MiniMax's own: docs/algorithms.md). Our choices: as dapo.py; a 0/1 reward. Not
+implemented: ScaleRL's other changes (prompt-level aggregation, batch-std advantages, PipelineRL).
+--rollout-correction (on with vLLM; in neither paper) multiplies the CISPO weight.
 
     accelerate launch cispo.py --eval-every 5                  # the paper setting, on GPUs
     python cispo.py --model-name-or-path /tmp/toy/model ...    # README "Quickstart": a CPU run
@@ -55,7 +46,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # DAPO's zero-RL setting, in which MiniMax validates CISPO (§3.1), as dapo.py runs it on one node
+    # DAPO's zero-RL setting, where MiniMax validates CISPO (§3.1), as dapo.py runs it on one node
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's is Qwen2.5-32B
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"
     dataset_config: str | None = "en"
@@ -89,22 +80,21 @@ class Args(SharedArgs):
     overlong_penalty: bool = False
     """DAPO's +-1 reward and soft overlong punishment (eq. 13; MiniMax-M1; off: ScaleRL's 0/1)"""
     overlong_buffer_len: int = 4096
-    """L_cache: completions over max_new_tokens - L_cache are penalised, down to -1 at the budget"""
+    """L_cache: the budget's last L_cache tokens are penalised, down to -1 at the budget"""
     overlong_penalty_factor: float = 1.0
     """scale of the soft overlong punishment (verl's overlong_buffer.penalty_factor)"""
     dynamic_sampling: bool = True
-    """drop all-correct and all-wrong groups and sample more prompts to refill the batch (§3.2)"""
+    """drop all-right and all-wrong groups, refilling the batch with new prompts (§3.2)"""
     max_gen_batches: int = 10
-    """at most this many generation rounds per step; then train on the informative groups so far"""
+    """generation rounds per step, at most; then train on the informative groups so far"""
     gen_prompts_per_round: int = 0
     """prompts per generation round, over all ranks (0: --prompts-per-step; verl's recipe: 3x)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """1 for a verified answer, 0 otherwise (MiniMax §3.1). With --overlong-penalty DAPO's reward
-    exactly (as dapo.py, MiniMax §3.1): +-1 (eq. 7) plus the soft overlong punishment (eq. 13); on a
-    0/1 scale the penalty would weigh twice as much."""
+    """1 for a verified answer, else 0 (MiniMax §3.1); with --overlong-penalty DAPO's reward, +-1
+    (eq. 7) plus R_len (eq. 13): on a 0/1 scale the penalty would weigh twice as much."""
     rewards = correct.float() * 2 - 1 if args.overlong_penalty else correct.float()
     if args.overlong_penalty:
         expected_len = args.max_new_tokens - args.overlong_buffer_len
@@ -114,23 +104,23 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (MiniMax eq. 2, as GRPO). rewards: [N], groups
-    contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (MiniMax eq. 2, as GRPO), std unbiased.
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
 
 
 def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Dynamic sampling's filter (eq. 8's constraint 0 < |{o_i : correct}| < G): True for the groups
-    kept. correct: [num_groups * G] (1 or True = correct), groups contiguous. [num_groups] bool."""
+    """Dynamic sampling's filter, DAPO eq. 8's 0 < #correct < G. correct: [num_groups * G], groups
+    contiguous; returns [num_groups] bool, True for a kept group."""
     num_correct = (correct.view(-1, group_size) > 0).sum(dim=1)
     return (num_correct > 0) & (num_correct < group_size)
 
 
 def mini_batch_count(rows: int, size: int) -> int:
-    """Optimizer steps for `rows` rollout rows in mini-batches of at least `size` rows: the largest
-    divisor of `rows` that is at most rows // size, at least 1 (fewer groups: fewer steps)."""
+    """Optimizer steps for `rows` rows in mini-batches of at least `size`: the largest divisor of
+    `rows` up to rows // size (fewer groups, fewer steps; at least 1)."""
     count = max(1, rows // size)
     while rows % count:
         count -= 1
@@ -151,14 +141,12 @@ def compute_policy_loss(
     """CISPO loss (MiniMax eq. 4): -1/sum_i |o_i| sum_i sum_t sg(w_it) A_i log pi_it, w: the weight.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. The loss is a surrogate (it holds log pi): only its
-    gradient matters."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up. A surrogate
+    (it holds log pi): only its gradient matters."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -185,12 +173,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -200,16 +184,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -238,8 +222,8 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling
         raise SystemExit("--gt-injection and --replay need --no-dynamic-sampling")
@@ -258,25 +242,24 @@ def main(args: Args) -> None:
         raise SystemExit("--eps-max and --is-eps-high must be > 0")
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Alg. 1), the rollout: --gen-prompts-per-round
-        # a round until each rank has its share of informative groups (0 < #correct < G) or after
-        # --max-gen-batches rounds; all keep the smallest count (DDP), drop the surplus, as verl
+        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Algorithm 1): rounds until each rank has its
+        # share of informative groups or --max-gen-batches; all keep the smallest count, as verl
         share, rounds = args.prompts_per_step // world, 0
         rows, completions, correct, kept, reward_info = [], [], [], [], {}
         while rounds < args.max_gen_batches:
             rounds += 1
-            # DATA: --prompt-sampling; --off-policy-steps K: generated K steps ago (one round a step)
+            # DATA: --prompt-sampling, --off-policy-steps (then one round a step)
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
@@ -291,7 +274,7 @@ def main(args: Args) -> None:
             num_kept = int(accelerator.gather(torch.tensor([len(kept)], device=device)).min())
             if num_kept >= share:
                 break
-        kept = kept[: min(num_kept, share)]  # indices into the step's groups, as many on every rank
+        kept = kept[: min(num_kept, share)]  # as many on every rank
         if len(kept) < share:
             accelerator.print(f"step {step}: {len(kept) * world} of {args.prompts_per_step} groups")
         if args.vllm_enable_sleep_mode:
@@ -305,8 +288,8 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # ALGO LOGIC: the training batch is the kept groups (none: one group with A = 0 stands in,
-        # no update); with fewer, mini-batches keep their size (fewer optimizer steps)
+        # ALGO LOGIC: train on the kept groups (none: one with A = 0 stands in, no update); with
+        # fewer, mini-batches keep their size (fewer optimizer steps)
         keep = kept or [0]
         sel = [k * args.group_size + j for k in keep for j in range(args.group_size)]
         advantages = advantages[sel]
@@ -314,35 +297,34 @@ def main(args: Args) -> None:
             advantages = torch.zeros_like(advantages)
         mini_batch_rows = share * args.group_size // args.num_mini_batches
         num_mini_batches = mini_batch_count(len(advantages), mini_batch_rows)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator, keep)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(
@@ -353,7 +335,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

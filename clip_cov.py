@@ -1,14 +1,15 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """Clip-Cov and KL-Cov: restrain the tokens whose log-prob and advantage covary most.
 
 Paper: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
 Models", https://arxiv.org/abs/2505.22617 (v1), section 4.2, eqs. (10)-(14) and Listing 1 (which
-adds the PPO clip to eq. (12)); hyperparameters: section 4.3. Code: PRIME-RL/Entropy-Mechanism-of-RL.
+adds the PPO clip to eq. (12)); hyperparameters: section 4.3. Official code:
+PRIME-RL/Entropy-Mechanism-of-RL.
 
 What this algorithm changes vs GRPO: entropy collapses while log pi and A covary, so a tiny share of
 the highest-covariance tokens leaves the update (Clip-Cov) or is held near pi_old (KL-Cov), as the
-official code computes it (verl/trainer/ppo/core_algos.py), with a token mean (DAPO's) over the
-mini-batch's N tokens, r = pi / pi_old and A_i = (R_i - mean_g R) / (std_g R + eps):
+official code (verl/trainer/ppo/core_algos.py), with a token mean (DAPO's) over the mini-batch's N
+tokens and r = pi / pi_old:
 
     Cov_it = (A_i - mean A) (log pi_it - mean log pi)        (means over the mini-batch's tokens)
     clip: L = 1/N sum_it 1[it not in S] max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
@@ -16,17 +17,11 @@ mini-batch's N tokens, r = pi / pi_old and A_i = (R_i - mean_g R) / (std_g R + e
     kl:   L = 1/N sum_it [-A_i r_it + coef 1[it in S] |log r_it|]    (no clip; |log r|: the KL)
           S: the max(1, int(kl_cov_ratio N)) tokens of largest Cov
 
-S is chosen once per mini-batch over all ranks, at the policy its update starts from (the official
-code chooses it per micro-batch, so it depends on the split); the draw keeps the candidates of
-smallest key, i.i.d. uniform per token from (seed, step, epoch, mini-batch, rank). Defaults: the
-official 7B recipes (recipe/dapo/7b_clip_cov.sh, 7b_kl_cov.sh): Qwen2.5-7B, G = 8, 256 prompts per
-step in 8 mini-batches, lr 5e-7, 2048 prompt and 8192 new tokens, beta 0; Clip-Cov: eps 1 / 1, ratio
-2e-4, band (1, 5); KL-Cov: coef 1, k_percent 0.2 = ratio 2e-3 (32B: 2e-4). Not here (dapo.py has
-them): the recipes' dynamic sampling (on) and overlong reward (off); their clip_ratio_c is unused by
-both losses. Data: DAPO-MATH (section 4.3) in the authors' own files (\\boxed{} answers, 0/1 reward),
-not on the hub, so grpo.py's MATH. Choices: std
-unbiased, eps_std = 1e-6, ties at the k-th value broken by the keys; --rollout-correction (not from
-the paper) weights the policy term.
+Our choices: S is chosen once per mini-batch over all ranks, at the policy the update starts from
+(the official code: per micro-batch, so S depends on the split), ties broken by random keys;
+--rollout-correction (on with vLLM) weights the policy term. Defaults: the official 7B recipes
+(docs/algorithms.md) on grpo.py's MATH (the paper's DAPO-MATH files are not on the hub), without
+dynamic sampling (dapo.py has it).
 
     accelerate launch clip_cov.py                              # the 7B recipe, on GPUs
     python clip_cov.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
@@ -56,7 +51,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh (the docstring)
+    # the official 7B recipes, recipe/dapo/7b_clip_cov.sh and 7b_kl_cov.sh
     model_name_or_path: str = "Qwen/Qwen2.5-7B"
     max_prompt_tokens: int = 2048
     group_size: int = 8
@@ -74,41 +69,39 @@ class Args(SharedArgs):
     clip_eps_high: float = 1.0
     """clip form: PPO clip, r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     clip_cov_ratio: float = 2e-4
-    """clip form: max(1, int(clip_cov_ratio N)) of a mini-batch's N tokens are drawn, detached"""
+    """clip form: the share of a mini-batch's tokens drawn and detached (at least 1)"""
     clip_cov_lb: float = 1.0
     """clip form: only tokens with clip_cov_lb < Cov < clip_cov_ub are drawn"""
     clip_cov_ub: float = 5.0
     """clip form: the band's upper end"""
     kl_cov_ratio: float = 2e-3
-    """kl form: the max(1, int(kl_cov_ratio N)) tokens of largest Cov get the penalty (32B: 2e-4)"""
+    """kl form: the share of tokens, largest Cov first, penalised (at least 1; 32B: 2e-4)"""
     kl_cov_coef: float = 1.0
     """kl form: coefficient of the |log r| penalty on them (the official ppo_kl_coef)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
 
 
 def select_tokens(now, old, advantages, mask, args: Args, keys) -> torch.Tensor:
-    """S, [N, C] bool: `now` the log-probs of the policy the mini-batch's update starts from,
-    `mask` this rank's tokens of it, `keys` i.i.d. uniform per token. Cov in float64, over all
-    ranks; kl: the k largest Cov; clip: the k candidates of smallest key (the official randperm's
-    distribution). Ties at the k-th value (the same token after the same prefix in completions of
-    equal reward) are broken by smallest key, so exactly k are selected."""
+    """S, [N, C] bool, over all ranks: kl, the k largest Cov (float64); clip, the k candidates of
+    smallest key (the official randperm's law). now: the log-probs the update starts from; mask:
+    this rank's tokens of the mini-batch; keys: i.i.d. uniform, also breaking ties (exactly k)."""
 
     def kth_largest(x, k):  # over all ranks, each sending its k largest
         return batching.global_cat(x.flatten().topk(min(k, x.numel())).values).topk(k).values[-1]
@@ -149,13 +142,11 @@ def compute_policy_loss(
     selects it once per mini-batch; None: within this batch, as the official code, by global RNG).
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     if cov_select is None:
@@ -197,12 +188,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -212,7 +199,7 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             # ALGO LOGIC: S once per mini-batch over all ranks, at the policy its update starts from
             if epoch == mb == 0 and "old_logps" in batch:
                 now = batch["old_logps"]
@@ -228,13 +215,13 @@ def update_policy(
             batch["cov_select"] = select_tokens(now, old, batch["advantages"], mask, args, keys)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -264,26 +251,25 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -300,36 +286,35 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the tokens update_policy selects are per token, as the mask
+        # ALGO LOGIC: update_policy's token selection, per token
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["cov_select"])
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -338,7 +323,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,41 +1,27 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization.
 
 Paper: Yu et al. 2025, https://arxiv.org/abs/2503.14476 (recipe: verl
 `recipe/dapo/run_dapo_qwen2.5_32b.sh`).
 
-What this algorithm changes vs GRPO: no KL term and no reference model (§2.3); a +-1 correctness
-reward (eq. 7) plus a soft overlong punishment (eq. 13); decoupled clip bounds with a larger upper
-one, "Clip-Higher" (§3.1); a token-level loss: every token of the mini-batch weighs the same,
-whatever the length of its sequence (§3.3); and dynamic sampling (§3.2, Algorithm 1): groups whose
-completions are all right or all wrong have zero advantage, so they are dropped and more prompts are
-sampled until the batch is full of informative groups.
+What this algorithm changes vs GRPO: no KL and no reference model (§2.3); a +-1 reward (eq. 7) plus
+a soft overlong punishment (eq. 13); a larger upper clip bound, "Clip-Higher" (§3.1); a token-level
+loss, every token of the mini-batch weighing the same (§3.3); dynamic sampling (§3.2, Algorithm 1):
+all-right and all-wrong groups (A = 0) are dropped and more prompts sampled until the batch is full.
 
     J = E[1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)]   (eq. 8)
         subject to 0 < #correct < G
     A_i = (R_i - mean_g R) / (std_g R + eps)                                                 (eq. 9)
     R_i = +1 if correct else -1 (eq. 7)  +  R_len(|o_i|) (eq. 13):
-    R_len = 0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache if |y| <= L_max, else -1
+    R_len = 0 if |y| <= L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to L_max, else -1
 
-Defaults are the paper's (§4.1) where a single node can: G=16, 512 prompts per step in mini-batches
-of 32 (16 updates per rollout), lr 1e-6 constant after a linear warm-up of 20 rollout steps (320
-optimizer steps), eps_low 0.2 / eps_high 0.28, L_max = 20480 generated tokens of which L_cache =
-4096 are the soft punishment zone, temperature 1.0 / top_p 1.0, DAPO-Math-17k (open-r1's
-deduplicated English copy, whose prompts carry the "Answer:" instruction) and AIME 2024 avg@32 at
-temperature 1.0, top_p 0.7. From verl's recipe (the paper is silent): weight decay 0.1, grad clip
-1.0, max prompt 2048, filtering on accuracy, --max-gen-batches 10, penalty factor 1.0. Model: the
-paper's Qwen2.5-32B does not fit one node; the default is Qwen2.5-7B, the same base family.
-
-Choices the paper leaves open: std is unbiased, eps_std = 1e-6; the filter counts correct answers
-(eq. 8's constraint, verl's metric=acc), not distinct rewards; generation rounds take
---gen-prompts-per-round fresh prompts from one checkpointed data stream (a resumed run replays the
-same prompts); the ranks keep as many groups as the poorest one, and after --max-gen-batches rounds
-the step trains on what it has. Rollout metrics are over every generated completion (the kept ones
-are biased towards accuracy 0.5 by construction). Overlong filtering (§3.4) masks truncated
-completions out of the loss and its token count; it is off, as in the final recipe. Verifier: DAPO's
-(verl math_dapo): the answer on the last "Answer:" line within the last 300 characters
-(--reward-format auto with the dapo template), judged by math-verify where math_dapo compares
-normalised strings. Not from the paper: --rollout-correction (TRL / verl; on with vLLM).
+Defaults: §4.1 where one node can, else verl's recipe (docs/algorithms.md). Our choices: Qwen2.5-7B
+(the paper's 32B does not fit one node); the unbiased std; the filter counts correct answers (eq.
+8, verl's metric=acc); the rounds draw fresh prompts from one checkpointed stream, the ranks keep
+as many groups as the poorest, and after --max-gen-batches rounds a step trains on what it has;
+rollout metrics cover every generated completion; no overlong filtering (§3.4; the final recipe
+has none); math-verify judges math_dapo's "Answer:" line (math_dapo: normalised strings).
+--rollout-correction (on with vLLM) is not from the paper.
 
     accelerate launch dapo.py --eval-every 5                   # the paper setting, on GPUs
     python dapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -63,7 +49,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # §4.1, and verl's recipe run_dapo_qwen2.5_32b.sh where the paper is silent (the docstring)
+    # §4.1, and verl's recipe run_dapo_qwen2.5_32b.sh where the paper is silent (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's is Qwen2.5-32B: too big for one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, deduplicated
     dataset_config: str | None = "en"
@@ -85,32 +71,31 @@ class Args(SharedArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.28
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
     overlong_penalty: bool = True
     """add the soft overlong punishment (eq. 13) to the +-1 reward"""
     overlong_buffer_len: int = 4096
-    """L_cache: completions over max_new_tokens - L_cache are penalised, down to -1 at the budget"""
+    """L_cache: the budget's last L_cache tokens are penalised, down to -1 at the budget"""
     overlong_penalty_factor: float = 1.0
     """scale of the soft overlong punishment (verl's overlong_buffer.penalty_factor)"""
     overlong_filtering: bool = False
     """mask truncated completions out of the loss (§3.4; not in the final recipe)"""
     dynamic_sampling: bool = True
-    """drop all-correct and all-wrong groups and sample more prompts to refill the batch (§3.2)"""
+    """drop all-right and all-wrong groups, refilling the batch with new prompts (§3.2)"""
     max_gen_batches: int = 10
-    """at most this many generation rounds per step; then train on the informative groups so far"""
+    """generation rounds per step, at most; then train on the informative groups so far"""
     gen_prompts_per_round: int = 0
     """prompts per generation round, over all ranks (0: --prompts-per-step; verl's recipe: 3x)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """DAPO's reward: +1 for a verified answer, -1 otherwise (eq. 7), plus the soft overlong
-    punishment (eq. 13), --overlong-penalty-factor x R_len: 0 up to L_max - L_cache tokens, then
-    ((L_max - L_cache) - |y|) / L_cache down to -1 at L_max = max_new_tokens, and -1 beyond."""
+    """DAPO's reward: +-1 (eq. 7) plus --overlong-penalty-factor x R_len (eq. 13), L_max =
+    --max-new-tokens. [N] tensors."""
     rewards = correct.float() * 2 - 1
     if args.overlong_penalty:
         expected_len = args.max_new_tokens - args.overlong_buffer_len
@@ -120,29 +105,29 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DAPO eq. 9, as GRPO). rewards: [N], groups
-    contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DAPO eq. 9, as GRPO), std unbiased.
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
 
 
 def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Dynamic sampling's filter (eq. 8's constraint 0 < |{o_i : correct}| < G): True for the groups
-    kept. correct: [num_groups * G] (1 or True = correct), groups contiguous. [num_groups] bool."""
+    """Dynamic sampling's filter, DAPO eq. 8's 0 < #correct < G. correct: [num_groups * G], groups
+    contiguous; returns [num_groups] bool, True for a kept group."""
     num_correct = (correct.view(-1, group_size) > 0).sum(dim=1)
     return (num_correct > 0) & (num_correct < group_size)
 
 
 def overlong_filter(mask: torch.Tensor, truncated: torch.Tensor, args: Args) -> torch.Tensor:
-    """Overlong filtering (§3.4): the [B, T] loss mask with truncated completions' rows zeroed, so
-    they add neither loss nor tokens to the token mean; unchanged without --overlong-filtering."""
+    """Overlong filtering (§3.4): truncated rows zeroed in the [B, T] mask, so they add neither loss
+    nor tokens."""
     return mask * ~truncated.bool()[:, None] if args.overlong_filtering else mask
 
 
 def mini_batch_count(rows: int, size: int) -> int:
-    """Optimizer steps for `rows` rollout rows in mini-batches of at least `size` rows: the largest
-    divisor of `rows` that is at most rows // size, at least 1 (fewer groups: fewer steps)."""
+    """Optimizer steps for `rows` rows in mini-batches of at least `size`: the largest divisor of
+    `rows` up to rows // size (fewer groups, fewer steps; at least 1)."""
     count = max(1, rows // size)
     while rows % count:
         count -= 1
@@ -163,13 +148,11 @@ def compute_policy_loss(
     """DAPO loss (eq. 8): -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1-eps_l, 1+eps_h) A), no KL.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -194,12 +177,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -209,16 +188,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -247,8 +226,8 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if (args.gt_injection or args.replay) and args.dynamic_sampling:  # ALGO LOGIC: dynamic sampling
         raise SystemExit("--gt-injection and --replay need --no-dynamic-sampling")
@@ -267,25 +246,24 @@ def main(args: Args) -> None:
         accelerator.print("note: --overlong-buffer-len >= --max-new-tokens: all are penalised")
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ALGO LOGIC: dynamic sampling (§3.2, Algorithm 1), the rollout: --gen-prompts-per-round prompts
-        # a round until each rank has its share of informative groups (0 < #correct < G) or after
-        # --max-gen-batches rounds; all keep the smallest count (DDP), drop the surplus, as verl
+        # ALGO LOGIC: dynamic sampling (DAPO §3.2, Algorithm 1): rounds until each rank has its
+        # share of informative groups or --max-gen-batches; all keep the smallest count, as verl
         share, rounds = args.prompts_per_step // world, 0
         rows, completions, correct, kept, reward_info = [], [], [], [], {}
         while rounds < args.max_gen_batches:
             rounds += 1
-            # DATA: --prompt-sampling; --off-policy-steps K: generated K steps ago (one round a step)
+            # DATA: --prompt-sampling, --off-policy-steps (then one round a step)
             idx, outs, staleness = data.rollout(step, sampler, rank, world, gen_prompts // world)
             timer.lap("generate")
             golds = [data.golds[i] for i in idx for _ in range(args.group_size)]
@@ -300,7 +278,7 @@ def main(args: Args) -> None:
             num_kept = int(accelerator.gather(torch.tensor([len(kept)], device=device)).min())
             if num_kept >= share:
                 break
-        kept = kept[: min(num_kept, share)]  # indices into the step's groups, as many on every rank
+        kept = kept[: min(num_kept, share)]  # as many on every rank
         if len(kept) < share:
             accelerator.print(f"step {step}: {len(kept) * world} of {args.prompts_per_step} groups")
         if args.vllm_enable_sleep_mode:
@@ -314,8 +292,8 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # ALGO LOGIC: the training batch is the kept groups (none: one group with A = 0 stands in,
-        # no update); with fewer, mini-batches keep their size (fewer optimizer steps)
+        # ALGO LOGIC: train on the kept groups (none: one with A = 0 stands in, no update); with
+        # fewer, mini-batches keep their size (fewer optimizer steps)
         keep = kept or [0]
         sel = [k * args.group_size + j for k in keep for j in range(args.group_size)]
         advantages = advantages[sel]
@@ -323,15 +301,14 @@ def main(args: Args) -> None:
             advantages = torch.zeros_like(advantages)
         mini_batch_rows = share * args.group_size // args.num_mini_batches
         num_mini_batches = mini_batch_count(len(advantages), mini_batch_rows)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator, keep)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
@@ -340,20 +317,20 @@ def main(args: Args) -> None:
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(
@@ -364,7 +341,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

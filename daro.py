@@ -1,35 +1,26 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """DARO: Difficulty-Aware Reweighting Policy Optimization.
 
 Paper: Zhou, Ma, Liang, Shen, Cui, Zhang 2025, https://arxiv.org/abs/2510.09001. Read for this file:
 the first author's write-up of the paper (cited "W eq. n"); the PDF and code were not available.
 
-What this algorithm changes: GRPO's token-mean loss is a sum over difficulty buckets, and DARO
-learns a weight per bucket. Completions are bucketed by their group's pass rate mu = #correct / G;
-bucket mu's loss L_mu is its share of the token-mean PPO-clip loss (W eq. 2, L = all completion
-tokens of the mini-batch), whose size depends on mu and on lengths (W eq. 3). Each bucket gets a
-weight w_mu, learnt with the policy, with a -ln w penalty so that at the optimum every bucket
-contributes equally; mu = 0 and 1 have no advantage (W eq. 4):
+What this algorithm changes: GRPO's token-mean loss becomes a sum over difficulty buckets, each with
+a learnt weight. Completions are bucketed by their group's pass rate mu = #correct / G; bucket mu's
+loss L_mu is its share of the token-mean PPO-clip loss (W eq. 2; L: the mini-batch's completion
+tokens), and a -ln w penalty makes every bucket contribute equally at the optimum; mu = 0 and 1 have
+no advantage (W eq. 4):
 
     L_DARO = sum_{mu = 1/G .. (G-1)/G} ( w_mu L_mu - ln w_mu )
     L_mu   = 1/L sum_{i: mu_i = mu} sum_t -min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)
 
-With w = 1 it is GRPO with token-mean aggregation; for fixed L_mu > 0 the optimal weight is 1/L_mu.
-Well-posedness (our choice; the write-up is silent): on policy L_mu = -1/L sum_{i in mu} |o_i| A_i
-is often ~0 or negative, where min_w (w L_mu - ln w) has no minimum. So w is fitted to a positive
-stand-in on the same scale, the advantage mass M_mu = 1/L sum_{i: mu_i = mu} |o_i| |A_i|: before
-each policy step (the gradient of sum_mu w_mu L_mu, w detached), s_mu = ln w_mu takes one step of
-its own optimizer (--daro-w-optimizer, --daro-w-lr) on sum_mu (exp(s_mu) M_mu - s_mu) over the
-buckets present, clamped to [ln w_min, ln w_max]: the optimum is w_mu M_mu = 1. --daro-w-target
-loss fits the write-up's w_mu L_mu = 1 (L_mu at r = 1, floored at --daro-loss-floor x M_mu);
---daro-w-normalize scales the step's weights to mean 1 (docs/algorithms.md "DARO's weights"). M_mu
-and the bucket counts are all-reduced over ranks; w starts at 1 and is checkpointed.
-
-Defaults. From the write-up: token-mean base loss (W eq. 2), no KL, a symmetric clip, mu = 0, 1
-excluded, 128 prompts per step. Our choices: G = 8; Qwen2.5-Math-1.5B (one of the paper's models);
-MATH; lr 1e-6, eps = 0.2, 1024 new tokens; one update per rollout; w from 1, SGD at lr 0.1, bounds
-[1e-3, 1e3]. As in grpo.py: std unbiased, eps_std = 1e-6, --reward-format auto,
---rollout-correction (on with vLLM) weights each token's term.
+With w = 1 it is GRPO with a token mean; for a fixed L_mu > 0 the optimal weight is 1/L_mu. Our
+choice (the write-up is silent): on policy L_mu = -1/L sum_{i in mu} |o_i| A_i is often ~0 or
+negative, where min_w (w L_mu - ln w) has no minimum, so w is fitted to the advantage mass
+M_mu = 1/L sum_{i in mu} |o_i| |A_i| > 0: before each policy step s_mu = ln w_mu takes one step of
+its own optimizer on sum_mu (exp(s_mu) M_mu - s_mu), clamped to [ln w_min, ln w_max], optimal at
+w_mu M_mu = 1 (docs/algorithms.md, "DARO's weights"). M_mu and the bucket counts are all-reduced
+over ranks; w starts at 1 and is checkpointed. Defaults: docs/algorithms.md; the std, the verifier
+and --rollout-correction (on with vLLM) as grpo.py.
 
     accelerate launch daro.py                                  # the paper setting, on GPUs
     python daro.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -59,15 +50,15 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the write-up's 128 prompts per step; G = 8 our choice (the docstring)
+    # the write-up's 128 prompts per step; G = 8 our choice
     group_size: int = 8  # G - 1 weighted pass-rate buckets 1/G .. (G-1)/G
     prompts_per_step: int = 128
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
     daro_w_optimizer: Literal["sgd", "adam"] = "sgd"
@@ -79,8 +70,7 @@ class Args(SharedArgs):
     daro_w_max: float = 1e3
     """upper bound of every w_mu (keeps w finite when a bucket's loss is ~0)"""
     daro_w_target: Literal["mass", "loss"] = "mass"
-    """w_mu -> 1/target: mass, the bucket's advantage mass M_mu (> 0); loss, its loss L_mu at r = 1,
-    floored at --daro-loss-floor x M_mu (the write-up's w L = C)"""
+    """w_mu -> 1/target: mass, the advantage mass M_mu; loss, L_mu at r = 1, floored (w L = C)"""
     daro_loss_floor: float = 0.1
     """--daro-w-target loss: L_mu floored at this fraction of M_mu (so -ln w_mu is bounded)"""
     daro_w_normalize: bool = False
@@ -89,13 +79,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -103,13 +93,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 
 def pass_rate_bucket(correct: torch.Tensor, args: Args) -> torch.Tensor:
     """Each completion's bucket c = #correct in its group, pass rate mu = c / G (W "Idea"). correct:
-    [N], groups contiguous; returns [N] long in 0..G. Buckets 0 and G get no weight and no loss."""
+    [N], groups contiguous; returns [N] long in 0..G."""
     return (correct.view(-1, args.group_size) > 0).sum(1).repeat_interleave(args.group_size)
 
 
 def bucket_from_advantages(advantages: torch.Tensor, args: Args) -> torch.Tensor:
-    """The same buckets read off whole groups' advantages: with 0/1 rewards the completions with
-    A > 0 are the correct ones; a zero-variance group (mu = 0 or 1) gets 0."""
+    """The same buckets from whole groups' advantages: with 0/1 rewards A > 0 marks the correct
+    completions (mu = 0 or 1: 0)."""
     return (advantages.view(-1, args.group_size) > 0).sum(1).repeat_interleave(args.group_size)
 
 
@@ -121,10 +111,9 @@ def bucket_onehot(bucket: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bucket_mass(adv, bucket, mask, args, num_tokens=None, old_logps=None, rollout_logps=None):
-    """[3, G+1] float64: M_mu = 1/L sum_{i in mu} |o_i| |A_i| (w is fitted to it); the sequences of
-    bucket mu; L_mu at r = 1, -1/L sum_{i in mu} A_i sum_t rc_it (rc: the rollout correction's weight,
-    1 without old_logps). With the mini-batch's num_tokens each row adds up over micro-batches and
-    ranks (row 1 / world size)."""
+    """[3, G+1] float64, per bucket: M_mu, the sequences, L_mu at r = 1 (tokens weighted by the
+    rollout correction given old_logps). With the mini-batch's num_tokens the rows add up over
+    micro-batches and ranks."""
     onehot = bucket_onehot(bucket, args.group_size).double()
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     rc = 1.0 if old_logps is None else rollout_correction(old_logps, rollout_logps, mask, args)[0]
@@ -135,16 +124,15 @@ def bucket_mass(adv, bucket, mask, args, num_tokens=None, old_logps=None, rollou
 
 def w_target(mass: torch.Tensor, onpolicy_loss: torch.Tensor, args: Args) -> torch.Tensor:
     """[G+1] w_mu -> 1/target_mu: M_mu (--daro-w-target mass), or L_mu at r = 1 floored at
-    --daro-loss-floor x M_mu (loss: the floor keeps the target > 0, so -ln w is bounded)."""
+    --daro-loss-floor x M_mu (loss)."""
     if args.daro_w_target == "mass":
         return mass
     return torch.maximum(onpolicy_loss, args.daro_loss_floor * mass)
 
 
 class DaroWeights:
-    """The learnable bucket weights w_mu = exp(s_mu), c = 0..G (0 and G unused), and their own
-    optimizer. They live across steps; accelerate checkpoints them (state_dict / load_state_dict).
-    float64: ranks that step on the same all-reduced inputs stay identical."""
+    """The bucket weights w_mu = exp(s_mu), c = 0..G (0, G unused), and their optimizer; float64,
+    so ranks stepping on the same inputs stay identical."""
 
     def __init__(self, args: Args, device: torch.device | str = "cpu"):
         self.group_size = args.group_size
@@ -162,7 +150,7 @@ class DaroWeights:
 
     def step(self, mass: torch.Tensor, present: torch.Tensor) -> None:
         """One step on sum_mu (exp(s_mu) M_mu - s_mu) over the present buckets 0 < mu < 1, then s
-        clamped to the bounds (W eq. 4, M for L). Absent buckets keep their weight. No host sync."""
+        clamped to the bounds; absent buckets keep their weight. No host sync."""
         present = present & self.interior
         with torch.enable_grad():
             objective = torch.where(present, self.log_w.exp() * mass - self.log_w, 0.0).sum()
@@ -199,14 +187,13 @@ def compute_policy_loss(
     """DARO loss (W eq. 4): sum_mu (w_mu L_mu - ln w_mu), L_mu = 1/L sum_{i in mu} sum_t -PPO-clip.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. bucket: [B] c = #correct in each sequence's group;
-    weights: [G+1] w_mu (constants; 1); bucket_seqs: [G+1] the mini-batch's sequences per bucket."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up. bucket: [B],
+    c = #correct in the group; weights: [G+1] w_mu (constants; 1); bucket_seqs: [G+1] the
+    mini-batch's sequences per bucket."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -257,12 +244,8 @@ def update_policy(
     num_mini_batches=None,
     daro=None,
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     # ALGO LOGIC: main's w_mu, else w = 1
     daro = DaroWeights(args, device) if daro is None else daro
@@ -277,7 +260,7 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             idx = perm[mb * mb_size : (mb + 1) * mb_size].to(device)  # ALGO LOGIC: DARO's weights
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
@@ -287,13 +270,13 @@ def update_policy(
             sums_mu = bucket_mass(adv, bucket[idx], mask, args, num_tokens, old, sampled)
             mass, bucket_seqs, onpolicy_loss = accelerator.reduce(sums_mu, "mean")
             daro.step(w_target(mass, onpolicy_loss, args), bucket_seqs > 0)
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -324,8 +307,8 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     floor, w_min, w_max = args.daro_loss_floor, args.daro_w_min, args.daro_w_max  # ALGO LOGIC
     if not (0 < floor <= 1 and 0 < w_min <= w_max and args.daro_w_lr > 0):
@@ -334,21 +317,20 @@ def main(args: Args) -> None:
         )
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     daro = DaroWeights(args, device)  # ALGO LOGIC: the bucket weights, saved with the state
     accelerator.register_for_checkpointing(daro)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -365,8 +347,7 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
@@ -374,7 +355,7 @@ def main(args: Args) -> None:
             advantages = compute_advantages(trained_rewards, args)
         bucket = pass_rate_bucket(groups.tensors(device).correct, args)  # ALGO LOGIC: DARO
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
@@ -382,7 +363,7 @@ def main(args: Args) -> None:
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
@@ -391,13 +372,13 @@ def main(args: Args) -> None:
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(
@@ -408,7 +389,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

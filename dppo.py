@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """DPPO: Divergence Proximal Policy Optimization.
 
 Paper: "Rethinking the Trust Region in LLM Reinforcement Learning", Qi et al. 2026,
@@ -6,31 +6,22 @@ https://arxiv.org/abs/2602.04879 (v3), section 4.3, eq. (12), binary TV / KL eqs
 gradient form eq. (23) (App. C.1). Official code: sail-sg/Stable-RL (compute_policy_loss_with_mask).
 
 What this algorithm changes vs GRPO: the ratio is to the behaviour policy mu, the sampler's own
-log-probs (vLLM's or HF generate's; with --off-policy-steps K, the policy of K steps ago), and PPO's
-ratio clip becomes a mask on a divergence D of the binary distribution {sampled token, the rest}: a
-token loses its gradient only when D exceeds delta AND it moved in its advantage's direction (p >
-p_mu for A > 0, p < p_mu for A <= 0), never when it moved back towards mu. As the official code
-computes it, with p = pi(o_it), p_mu = mu(o_it), and M and the weight at the detached current pi:
+log-probs (with --off-policy-steps K, K steps old), and PPO's ratio clip becomes a mask on a
+divergence D of the binary distribution {sampled token, the rest}: a token loses its gradient only
+when D exceeds delta AND it moved in its advantage's direction (p > p_mu for A > 0, p < p_mu for
+A <= 0). As the official code, with p = pi(o_it), p_mu = mu(o_it), M and the weight at the
+detached current pi:
 
     L = -1/(N L_max) sum_i sum_t M_it sg(min(pi_it / mu_it, C)) A_i log pi_it
     D = |p - p_mu|                                                   --dppo-divergence binary-tv
     D = p_mu log(p_mu / p) + (1 - p_mu) log((1 - p_mu) / (1 - p))     --dppo-divergence binary-kl
     A_i = R_i - mean_g R                                                    (Dr. GRPO's: no std)
 
-pi/mu is the whole importance weight, so --rollout-correction is not applied on top (explicit modes
-are refused); rows the sampler did not produce (--gt-injection, --replay) take mu = old_logps. With
---top-p < 1 the sampler's log-probs are renormalised over the nucleus: p_mu is inflated and the
-masks see a systematic divergence (keep top_p = 1).
-
-Defaults from the authors' verl script, examples/dppo_trainer/run_qwen30b_dppo.sh as PR #5397 added
-it (verl 182383bb; b8d91ef8 fixed its loss scale): mu = the rollout policy (bypass_mode=True, §5.2;
-the later run_qwen3_30b_a3b_megatron.sh has no bypass setting), delta 0.15 for TV
-(0.05 for KL), C off (1e4 there), no KL, seq-mean-token-sum-norm (L_max = --max-new-tokens),
-DAPO-Math-17k (as dapo.py loads it), G=16, 256 prompts per step in 8 mini-batches, 8192 new tokens,
-lr 1e-6; delta and C as the paper's App. C.1 (its scaling runs, App. E: delta_TV 0.2 and C = 5,
---dppo-delta-low 0.2 --dppo-delta-high 0.2 --dppo-is-cap 5). Our choices: Qwen3-8B-Base (the
-paper's Qwen3-30B-A3B-Base MoE does not fit one node); grpo.py's evaluation (the authors': AIME
-2024). Not implemented: the Top-K divergence.
+pi/mu is the whole importance weight: no --rollout-correction on top (explicit modes are refused);
+rows the sampler did not produce take mu = old_logps. With --top-p < 1, p_mu is renormalised over
+the nucleus and the masks see a systematic divergence. Defaults: the authors' verl script
+(docs/algorithms.md). Our choices: Qwen3-8B-Base (their 30B-A3B does not fit one node); grpo.py's
+evaluation. Not implemented: the Top-K divergence.
 
     accelerate launch dppo.py                                  # the paper setting, on GPUs
     python dppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -60,7 +51,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the authors' verl script run_qwen30b_dppo.sh (the docstring); grpo.py's evaluation
+    # the authors' verl script run_qwen30b_dppo.sh; grpo.py's evaluation
     model_name_or_path: str = "Qwen/Qwen3-8B-Base"  # the paper's 30B-A3B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO-Math-17k, as dapo.py loads it
     dataset_config: str | None = "en"
@@ -77,24 +68,24 @@ class Args(SharedArgs):
     dppo_divergence: Literal["binary-tv", "binary-kl"] = "binary-tv"
     """D of {sampled token, the rest}: binary-tv |p - p_mu|, binary-kl KL(Bern(p_mu) || Bern(p))"""
     dppo_delta_low: float | None = None
-    """delta for A <= 0: p < p_mu with D above it: masked (None: 0.15 binary-tv, 0.05 binary-kl)"""
+    """delta for A <= 0, p < p_mu (None: 0.15 binary-tv, 0.05 binary-kl)"""
     dppo_delta_high: float | None = None
-    """delta for A > 0: p > p_mu with D above it: masked (None: 0.15 binary-tv, 0.05 binary-kl)"""
+    """delta for A > 0, p > p_mu (None: 0.15 binary-tv, 0.05 binary-kl)"""
     dppo_is_cap: float | None = None
-    """C: the importance weight sg(pi/mu) truncated at C (None: untruncated, the authors' 1e4)"""
+    """C: sg(pi/mu) truncated at C (None: untruncated; the authors' 1e4)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = R_i - mean_g R (Dr. GRPO's, as the authors' script: norm_adv_by_std_in_grpo=False).
-    rewards: [N], groups contiguous. A group whose rewards are all equal gets 0."""
+    rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     return adv.view(-1)
@@ -119,14 +110,12 @@ def compute_policy_loss(
     """DPPO loss: -1/(N L_max) sum_i sum_t M_it sg(min(pi/mu, C)) A_i log pi_it, M the binary mask.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. rollout_logps: mu, the sampler's log-probs (NaN rows and
-    None: old_logps). The loss is a surrogate (it holds log pi): only its gradient matters."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up. rollout_logps:
+    mu (NaN rows and None: old_logps). A surrogate (it holds log pi): only its gradient matters."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     mu = old_logps if rollout_logps is None else rollout_logps.to(old_logps.dtype)
@@ -143,7 +132,7 @@ def compute_policy_loss(
         div = p_mu * (mu - now) + torch.where(p_mu < 1, rest, 0.0)
     default = 0.15 if args.dppo_divergence == "binary-tv" else 0.05  # the authors' script
     low, high = (default if d is None else d for d in (args.dppo_delta_low, args.dppo_delta_high))
-    # masked: beyond delta AND moved in the advantage's direction (back towards mu is never masked)
+    # beyond delta AND moved in the advantage's direction (never when back towards mu)
     masked = torch.where(adv > 0, (div > high) & (p > p_mu), (div > low) & (p < p_mu))
     per_token = -weight * ~masked * adv * logps
     stats = {}
@@ -166,12 +155,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -181,16 +166,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -222,26 +207,25 @@ def main(args: Args) -> None:
     if args.rollout_correction not in ("auto", "none"):  # ALGO LOGIC: pi/mu is the whole IS weight
         raise SystemExit("dppo.py weighs by pi/mu, mu the sampler: drop --rollout-correction")
     args = replace(args, rollout_correction="none")  # what runs, in args.json
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -258,35 +242,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -295,7 +278,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,35 +1,24 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """Dr. GRPO: GRPO Done Right.
 
 Paper: "Understanding R1-Zero-Like Training: A Critical Perspective", Liu et al. 2025,
 https://arxiv.org/abs/2503.20783 (§3.1-3.2, Listing 1, App. A). Official code:
 sail-sg/understand-r1-zero (train_zero_math.py) on the oat framework.
 
-What this algorithm changes vs GRPO: it removes GRPO's two normalisations, which bias the
-optimisation (§3.1). Dividing each sequence's loss by its own length |o_i| gives short correct
-answers larger updates and long wrong ones smaller penalties (length bias), so the loss sums over
-tokens and divides by a constant, the generation budget L_max ("MAX_TOKENS", Listing 1; oat:
-masked_sum with constant_normalizer = generate_max_length), never by a token count. Dividing the
-advantage by the group's std up-weights too-easy and too-hard questions (difficulty bias), so the
-advantage is only centred. No KL term (§3: beta = 0), no reference model. What remains is PPO's
-objective (eq. 2) with a Monte-Carlo return and an unbiased group-mean baseline (App. A; G/(G-1) A_i
-is the RLOO advantage); N is the mini-batch's number of sequences, L_max = --max-new-tokens:
+What this algorithm changes vs GRPO: it drops GRPO's two normalisations, which bias the
+optimisation (§3.1): dividing a sequence's loss by its length favours short right and long wrong
+answers, so the loss is divided by a constant, the budget L_max (Listing 1's MAX_TOKENS); dividing
+the advantage by the group's std favours too easy and too hard questions, so it is only centred
+(App. A: G/(G-1) A_i is RLOO's). No KL. N: the mini-batch's sequences; L_max = --max-new-tokens:
 
-    J = E[ 1/(N L_max) sum_i sum_{t<=|o_i|} min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]  (Listing 1)
-    A_i = R_i - mean(R_1..R_G)                                                            (§3.2)
+    J = E[ 1/(N L_max) sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]     (Listing 1)
+    A_i = R_i - mean(R_1..R_G)                                                        (§3.2)
 
-Defaults: the Oat-Zero-1.5B run (Table 4: "the minimalist R1-Zero recipe") with oat's
-examples/qwen2.5-math-1.5b.sh: Qwen2.5-Math-1.5B, the Qwen-Math template (--prompt-template
-qwen-boxed is Template 2), G=8, 128 prompts per step, L_max = 3000 (a 4k context, App. B),
-temperature 1, top_p 1, lr 1e-6 constant, eps=0.2, beta=0, one PPO epoch of 8 optimizer steps,
-greedy evaluation with 3000 tokens (§2.2). Choices: the training set is hiyouga/math12k (MATH
-train+test minus MATH-500), which oat's 1.5B example trains on; the paper's recipe uses MATH levels
-3-5 (oat's math_lvl3to5_8k, from SimpleRL-Zoo), with no hub id loadable as a split: export it to
-.jsonl and pass --dataset-name. Prompts are capped at 1024 tokens as in oat. From the official code,
-not the paper: a truncated completion gets reward 0 even if its text holds the right answer
-(train_zero_math.py; there for GRPO too, here only in dr_grpo.py), and the verifier reads the last
-\\boxed{} (math_grader.boxed_reward_fn; --reward-format auto). Not reproduced: oat's Adam betas
-(0.9, 0.95) and its truncated IS correction (newer oat). Not from the paper: --rollout-correction.
+Defaults: the Oat-Zero-1.5B run (Table 4) by oat's examples/qwen2.5-math-1.5b.sh, on its data
+(docs/algorithms.md; the paper's MATH levels 3-5 have no hub id). From the official code: reward 0
+for a truncated completion (only in dr_grpo.py here); the last-\\boxed{} verifier. Not reproduced:
+oat's Adam betas (0.9, 0.95), its truncated IS correction. --rollout-correction (on with vLLM) is
+not from the paper.
 
     accelerate launch dr_grpo.py                                  # the paper setting, on GPUs
     python dr_grpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -58,7 +47,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # Oat-Zero-1.5B (Table 4) as oat's examples/qwen2.5-math-1.5b.sh runs it (the docstring)
+    # Oat-Zero-1.5B (Table 4) as oat's examples/qwen2.5-math-1.5b.sh runs it
     dataset_name: str = "hiyouga/math12k"  # oat's 1.5B example; the paper: MATH levels 3-5
     answer_column: str = "answer"
     group_size: int = 8
@@ -69,25 +58,23 @@ class Args(SharedArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens gets reward 0 (the official code); keep: the
-    verifier's score (e.g. on a toy task whose completions rarely end with EOS)"""
+    """zero: a truncated completion scores 0 (the official code); keep: the verifier's score"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """1 for a verified answer, else 0 (§3.2); 0 for a completion cut off at --max-new-tokens unless
+    """1 for a verified answer, else 0 (§3.2); 0 for a truncated completion unless
     --truncated-reward keep (train_zero_math.py: "Set zero reward for truncated outputs")."""
     reward = correct.float()
     return reward * ~truncated.bool() if args.truncated_reward == "zero" else reward
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = R_i - mean_g R (§3.2: no division by the group's std, which favours too easy or too
-    hard questions). rewards: [N], groups contiguous. A group whose rewards are all equal gets 0."""
+    """A_i = R_i - mean_g R (§3.2: no std). rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     return adv.view(-1)
@@ -107,13 +94,11 @@ def compute_policy_loss(
     """Dr. GRPO loss (Listing 1): -1/(N L_max) sum_i sum_t min(r A, clip(r) A), L_max: the budget.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -137,12 +122,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -152,16 +133,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -190,24 +171,23 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -224,35 +204,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -261,7 +240,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """GMPO: Geometric-Mean Policy Optimization.
 
 Paper: Zhao et al. 2025, https://arxiv.org/abs/2507.20673 (v3), section 3, eq. (4) and Algorithm 1;
@@ -6,30 +6,20 @@ the clip range e^(+-0.4): section 3 (ii) and Table 5. Official code: callsys/GMP
 (train_zero_math_gmpo.py, scripts/qwen2.5-math-7b-gmpo.sh) on the oat framework, as Dr. GRPO's.
 
 What this algorithm changes vs GRPO: a sequence's objective is the geometric mean of its tokens'
-clipped ratios, not their arithmetic mean, so a token with an outlier ratio moves it by its
-|o_i|-th root rather than linearly. PPO's pessimistic min is taken per token in log space, before
-the mean, with a wider clip range on log r; a sequence's term is A_i times the mean's exponential:
+clipped ratios, so an outlier token moves it by its |o_i|-th root, not linearly. PPO's pessimistic
+min is taken per token in log space, with a wider clip range; on-policy the gradient is GRPO's:
 
     J = E[ 1/G sum_i A_i exp( 1/|o_i| sum_t c_it ) ],  d_it = log(pi / pi_old)(o_it | q, o_i,<t)
     c_it = min(d_it, clip(d_it, -eps_low, eps_high)) if A_i > 0, else max(d_it, clip(d_it, ...))
     A_i = (R_i - mean_g R) / (std_g R + eps)                      (official: --critic_type grpo)
+    dJ / dlog pi_it = A_i exp(1/|o_i| sum_t c_it) / (G |o_i|) if the token is unclipped, else 0
 
-An unclipped token's gradient is A_i exp(mean_t c_it) grad log pi_it / (G |o_i|), weighted by the
-sequence's geometric-mean ratio (GRPO: by its own ratio); a clipped token gets none; on-policy it is
-GRPO's. Defaults: the official qwen2.5-math-7b-gmpo.sh: Qwen2.5-Math-7B, the Qwen-Math template
-(qwen-boxed), G = 8, 128 prompts per step, 3000 new tokens, prompts up to 1024 tokens, lr 1e-6
-constant, temperature 1, top_p 1, clip range 0.4 in log space (CLIPRANGE; r in [0.67, 1.49]),
-beta = 0, one epoch of 8 optimizer steps (train_batch_size 128 of 1024 samples), evaluation at
-temperature 0.6, top_p 0.95, 16 samples, 3000 tokens (its --eval flags; eval.sh and the paper's
-section 4.1: greedy). Its data,
-MATH levels 3-5 (math_lvl3to5_8k, in the repo, no hub id), can be exported to .jsonl for
---dataset-name; the default is dr_grpo.py's hiyouga/math12k (MATH train+test minus MATH-500). Not
-reproduced: the official zero reward of a truncated completion (dr_grpo.py has it), oat's Adam
-betas (0.9, 0.95) and std eps 1e-8 (ours 1e-6), its evaluation suite. Choices: a sequence without
-tokens contributes 0; beta > 0 adds a k3 KL averaged over each sequence's tokens (official code,
-TRL); log-ratios are not clamped (official code, verl, TRL). Not from the paper: the \\boxed{}
-verifier, --rollout-correction (on with vLLM): the geometric mean of its token weights over the
-sequence, detached (verl's geo_mean), weights the sequence, so a *-mask zero drops it.
+Defaults: the official script (docs/algorithms.md) on dr_grpo.py's hiyouga/math12k (its MATH levels
+3-5 have no hub id). Not reproduced: the zero reward of a truncated completion (dr_grpo.py has it),
+oat's Adam betas, its std eps 1e-8 (ours 1e-6) and evaluation suite. Our choices: an empty sequence
+contributes 0; beta > 0 adds a k3 KL averaged per sequence (official code, TRL); unclamped
+log-ratios (official code, verl, TRL); --rollout-correction (on with vLLM) weights a sequence by
+its token weights' geometric mean, detached (verl's geo_mean), so a *-mask zero drops it.
 
     accelerate launch gmpo.py                                  # the paper setting, on GPUs
     python gmpo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -57,7 +47,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official scripts/qwen2.5-math-7b-gmpo.sh (the docstring)
+    # the official scripts/qwen2.5-math-7b-gmpo.sh
     model_name_or_path: str = "Qwen/Qwen2.5-Math-7B"
     dataset_name: str = "hiyouga/math12k"  # dr_grpo.py's (the script's data is not on the hub)
     answer_column: str = "answer"
@@ -76,20 +66,20 @@ class Args(SharedArgs):
     gmpo_clip_high: float = 0.4
     """log-space clip: log r > gmpo_clip_high stops a positive-advantage token's gradient"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -109,13 +99,11 @@ def compute_policy_loss(
     """GMPO loss: -1/G sum_i [A_i exp(1/|o_i| sum_t c_it) - beta 1/|o_i| sum_t KL_k3], c as above.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -150,12 +138,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -165,16 +149,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -203,26 +187,25 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -239,35 +222,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -276,7 +258,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

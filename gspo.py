@@ -1,28 +1,22 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """GSPO: Group Sequence Policy Optimization.
 
 Paper: Zheng et al. 2025 (Qwen), https://arxiv.org/abs/2507.18071 (v2).
 
-What this algorithm changes vs GRPO: the importance ratio is the sequence's, not the token's. Each
-completion gets one length-normalised ratio s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|), the
-geometric mean of its token ratios, and PPO's clip is applied to s_i, so a whole sequence is kept or
-dropped (§4.1). There is no KL term and no reference model. We implement the GSPO-token form (§4.3),
-in which every token carries the value of its sequence's ratio but the gradient of its own log-prob;
-with one advantage per sequence its value and gradient equal GSPO's (eq. 5), averaged per sequence
-then over sequences as in GRPO:
+What this algorithm changes vs GRPO: the importance ratio is the sequence's, not the token's: s_i,
+the geometric mean of its token ratios, is clipped, so a whole sequence is kept or dropped (§4.1).
+No KL term, no reference model. This is the GSPO-token form (§4.3): every token carries its
+sequence's ratio as value and its own log-prob's gradient, which with one advantage per sequence is
+GSPO (eq. 5); averaged per sequence, then over sequences, as GRPO:
 
     J = E[ 1/G sum_i 1/|y_i| sum_t min(s_it A_i, clip(s_it, 1-eps_low, 1+eps_high) A_i) ]  (eq. 13)
     s_it = sg[s_i] pi(y_it) / sg[pi(y_it)], s_i = exp(1/|y_i| sum_t log(pi / pi_old)(y_it))  (14, 7)
-    A_i = (R_i - mean_g R) / (std_g R + eps)                                                  (eq. 6)
+    A_i = (R_i - mean_g R) / (std_g R + eps)                                               (eq. 6)
 
-On the first mini-batch of a rollout s_i = 1 and the update is GRPO's (beta = 0); GSPO differs only
-when updates are off-policy, so a rollout is split into several mini-batches by default. Defaults
-from the paper (§5.1): clip ranges eps_low = 3e-4, eps_high = 4e-4 (left/right of eq. 5); 4
-mini-batches per rollout; no KL. The paper trains a cold-start model from Qwen3-30B-A3B-Base on
-unreleased data and gives no learning rate, group size or lengths: those are grpo.py's. Choices the
-paper leaves open: std unbiased, eps_std = 1e-6, A = 0 for a zero-variance group (as grpo.py); log
-s_i not clamped (verl clamps it at 10). Not from the paper: the \\boxed{} verifier of qwen-boxed
-(--reward-format auto), --rollout-correction (on with vLLM), which weights each token's term.
+On a rollout's first mini-batch s_i = 1 and the update is GRPO's (beta = 0), hence several
+mini-batches. Defaults: §5.1 (docs/algorithms.md); the paper gives no learning rate, group size or
+lengths, so those are grpo.py's. Our choices: as grpo.py (the std, A = 0, the verifier); log s_i is
+not clamped (verl clamps it at 10); --rollout-correction (on with vLLM) weights each token's term.
 
     accelerate launch gspo.py                                  # the paper setting, on GPUs
     python gspo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -64,13 +58,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -87,16 +81,14 @@ def compute_policy_loss(
     ref_logps: torch.Tensor | None = None,
     rollout_logps: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token loss (eq. 13-14): -1/G sum_i 1/|y_i| sum_t min(s_it A, clip(s_it) A), s_it as above.
+    """GSPO-token loss (eq. 13-14): -1/G sum_i 1/|y_i| sum_t min(s_it A, clip(s_it) A).
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -129,12 +121,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -144,16 +132,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -182,24 +170,23 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -216,35 +203,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -253,7 +239,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

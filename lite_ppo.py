@@ -1,31 +1,23 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """LitePPO: critic-free vanilla PPO with group-mean / batch-std advantages and a token-level loss.
 
 Paper: "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al. 2025,
-https://arxiv.org/abs/2508.08221 (Alibaba; run on the ROLL framework: norm_mean_type group,
-norm_std_type batch, token_level_loss true).
+https://arxiv.org/abs/2508.08221 (on the ROLL framework: norm_mean_type group, norm_std_type batch,
+token_level_loss true).
 
-What this algorithm changes vs GRPO: two of the paper's tricks and nothing else. (1) Advantages:
-the baseline is still the group mean, but the scale is the std of ALL rewards of the rollout batch
-(every prompt, every rank), not the group's own std, which with 0/1 rewards blows up nearly
-all-right or all-wrong groups ("group mean + batch std is the most robust"). (2) A token-level loss:
-the PPO terms are averaged over all tokens of the mini-batch, so every token weighs the same. The
-per-token term is PPO's symmetric clip; no KL (no reference model), no clip-higher, no overlong
-filtering or dynamic sampling:
+What this algorithm changes vs GRPO: two of the paper's tricks and nothing else. (1) The advantage's
+baseline is still the group mean, but its scale is the std of all the rollout's rewards (every
+rank), not the group's, which with 0/1 rewards blows up nearly all-right or all-wrong groups. (2) A
+token-level loss: every token of the mini-batch weighs the same. PPO's symmetric clip; no KL:
 
     A_i = (R_i - mean_{j in group(i)} R_j) / (std_{all j in the batch} R_j + eps)
     J = E[ 1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) ]
 
-Defaults from the paper's setup: a Qwen3 base model (the paper: Qwen3-4B/8B, Base and aligned;
-LitePPO's gains are on the Base models; 4B is our choice), 128 prompts x 8 responses per rollout, a
-global batch of 1024 (one optimizer step per rollout), one PPO epoch, lr 1e-6, 8k response length,
-temperature 0.99 and top_p 0.99 (the paper's top_k 100 is not exposed), clip 0.2, no KL; eps = 1e-6
-as in ROLL. Choices the paper leaves open: the training set is zwhe99/DeepMath-103K (the source of
-the paper's unreleased Medium and Hard 5k sets); the Qwen-Math "\\boxed{}" prompt; the batch std is
-the unbiased std of every rank's rewards, as ROLL and TRL (torch.std); TRL reads the batch sizes as
-8 optimizer steps per rollout (--num-mini-batches 8). Not from the paper: the \\boxed{} verifier of
-the qwen-boxed template (--reward-format auto), --rollout-correction (TRL / verl; on with vLLM; with
-top_p 0.99 its weights sit slightly below 1: docs/algorithms.md "Rollout correction").
+Defaults: the paper's setup (docs/algorithms.md). Our choices: Qwen3-4B-Base (the paper: Qwen3-4B
+and 8B, Base and aligned); zwhe99/DeepMath-103K, the source of the paper's unreleased sets; the
+qwen-boxed prompt and verifier; the unbiased batch std over every rank (ROLL, TRL); no top_k 100.
+--rollout-correction (on with vLLM; not from the paper) sits slightly below 1 at top_p 0.99
+(docs/algorithms.md, "Rollout correction").
 
     accelerate launch lite_ppo.py                                  # the paper setting, on GPUs
     python lite_ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -53,7 +45,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the paper's setup (the docstring; ROLL's norm_mean_type group, norm_std_type batch)
+    # the paper's setup (docs/algorithms.md)
     model_name_or_path: str = "Qwen/Qwen3-4B-Base"  # the paper: Qwen3-4B/8B, Base and aligned
     dataset_name: str = "zwhe99/DeepMath-103K"  # the source of the paper's Medium and Hard sets
     prompt_column: str = "question"
@@ -68,24 +60,22 @@ class Args(SharedArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     adv_eps: float = 1e-6
     """eps in A = (R - group mean) / (batch std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_batch R + eps): group-mean baseline, batch-std scale. rewards:
-    [N], this rank's share, groups contiguous. The std is over the rewards of every rank (gathered
-    when torch.distributed is initialised; all ranks hold the same number), unbiased as torch.std
-    (ROLL, TRL). A group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_batch R + eps). rewards: [N], this rank's share, groups
+    contiguous; the std is unbiased, over every rank's rewards (all ranks hold as many)."""
     r = rewards.view(-1, args.group_size)
     everything = rewards
     if (
@@ -112,13 +102,11 @@ def compute_policy_loss(
     """LitePPO loss: -1/sum_i |o_i| sum_i sum_t min(r A, clip(r) A), PPO's clip with a token mean.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -142,12 +130,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -157,16 +141,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -195,24 +179,23 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -229,35 +212,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -266,7 +248,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

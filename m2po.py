@@ -1,32 +1,26 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """M2PO: Second-Moment Trust Policy Optimization.
 
-Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", Zheng
-et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) and Algorithm 1 (M2: eq. (4),
-section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
+Paper: "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?",
+Zheng et al. 2025, https://arxiv.org/abs/2510.01161 (v2), section 5.2, eq. (5) and Algorithm 1
+(M2: eq. (4), section 5.1; tau = 0.04: section 5.2, App. B). Official code: Infini-AI-Lab/M2PO.
 
 What this algorithm changes vs GRPO: it trains on stale rollouts. The ratio is to the behaviour
-policy mu, the sampler's own log-probs (with --off-policy-steps K, those of the policy of K steps
-ago; the paper's pi_theta_old, the same tensor in the official stale setup), and is not clipped;
-instead the second moment of the log-ratios is kept under a budget tau by dropping the largest
-(log r)^2 of the trust-region tokens T, those a ratio clip would act on (A > 0 with r > 1, A < 0
-with r < 1, as the official code defines them). Dropped tokens still count in the token mean:
+policy mu, the sampler's own log-probs (the paper's pi_theta_old), unclipped; instead the mean
+(log r)^2 of the trust-region tokens T (those a ratio clip acts on: A > 0 with r > 1, A < 0 with
+r < 1, as the official code) is kept under tau by dropping the largest. Dropped tokens still count
+in the token mean:
 
     J = 1/sum_i |o_i| sum_i sum_t M_it r_it A_i,   r_it = pi_theta(o_it) / mu(o_it)
     Algorithm 1: M2_it = (log r_it)^2; while mean_T M2 > tau: j = argmax_T M2, M_j = 0, T = T - {j}
     A_i = (R_i - mean_g R) / (std_g R + eps)
 
-Algorithm 1 is run as the paper states it, once per mini-batch over all ranks, at the policy of the
-mini-batch's start (its pi_theta); the peers work per micro-batch, so their token set depends on the
-split (the official code solves instead for an adaptive ratio clip with the same budget; AReaL takes
-every token as a candidate: --m2po-scope all). r is the whole importance weight, so
---rollout-correction is not applied on top (explicit modes are refused); rows the sampler did not
-produce (--gt-injection, --replay) take mu = old_logps. Defaults from the official
-train-scripts/m2po-qwen-math-7b-s*.sh (one node): tau = 0.04 (M2_budget), Qwen2.5-Math-7B,
-DeepScaleR-Preview, 256 prompts x G=8 per step in 4 mini-batches, 2560 new tokens, prompts up to
-1536 tokens, lr 1e-6, no KL. Not reproduced: the official prompt text (qwen-boxed's instead), the
-paper's reward (0.1 for an extractable answer + 1 if correct; ours 0/1), its 1201 steps (paper:
-1000) and its evaluation (avg@4 at T=1, top_p 0.7 on MATH-500, AIME, AMC, ...; grpo.py's here).
+Our choices: Algorithm 1 as the paper states it, once per mini-batch over all ranks, at the
+mini-batch's starting policy (the official code solves for an adaptive ratio clip instead; the
+peers select per micro-batch); mu = old_logps for rows the sampler did not produce; no
+--rollout-correction on top of r (explicit modes are refused). Defaults: the official
+train-scripts on one node (docs/algorithms.md), with qwen-boxed's prompt, a 0/1 reward (the paper:
+0.1 for an extractable answer + 1 if correct) and grpo.py's evaluation.
 
     accelerate launch m2po.py                                  # the paper setting (s0), on GPUs
     accelerate launch m2po.py --off-policy-steps 64 --num-mini-batches 4   # s256: 256 stale updates
@@ -56,7 +50,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node (the docstring)
+    # the official train-scripts/m2po-qwen-math-7b-s*.sh, one node
     model_name_or_path: str = "Qwen/Qwen2.5-Math-7B"
     dataset_name: str = "agentica-org/DeepScaleR-Preview-Dataset"
     answer_column: str = "answer"
@@ -71,23 +65,22 @@ class Args(SharedArgs):
     m2po_threshold: float = 0.04
     """tau: the largest (log pi/mu)^2 of the candidates are dropped until their mean is <= tau"""
     m2po_scope: Literal["trust-region", "all"] = "trust-region"
-    """the candidates: trust-region (A > 0 with r > 1, A < 0 with r < 1; the official code) or all
-    (every token; AReaL's variant)"""
+    """trust-region: the tokens a ratio clip acts on (official code); all: every token (AReaL)"""
     beta: float = 0.0
-    """k3 KL coefficient to the frozen reference model (0 loads no reference model)"""
+    """k3 KL coefficient to the frozen reference model (0: none loaded)"""
     adv_eps: float = 1e-6
     """eps in A = (R - mean) / (std + eps)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -101,11 +94,9 @@ def behaviour(old_logps: torch.Tensor, rollout_logps: torch.Tensor | None) -> to
 
 
 def m2po_select(now, mu, advantages, mask, args: Args) -> torch.Tensor:
-    """Algorithm 1 over every rank's part of a mini-batch: the dropped tokens, [B, T] bool. now,
-    mu: [B, T] log-probs of pi_theta and of the behaviour policy, M2 = (now - mu)^2. Removing the
-    largest value never raises the mean, so the loop drops the shortest prefix of the candidates'
-    values sorted descending whose remaining suffix has mean <= tau (all of them if none has): one
-    all-gather of the values, then the global threshold applied locally (ties: measure zero)."""
+    """Algorithm 1 over all ranks: the dropped tokens, [B, T] bool; now, mu: [B, T] log-probs.
+    Dropping the largest M2 never raises the mean, so the loop drops the shortest prefix of the
+    sorted M2 whose remaining suffix has mean <= tau (all if none has)."""
     d = now - mu
     m2, adv = d * d, advantages[:, None]
     cand = mask > 0
@@ -134,14 +125,12 @@ def compute_policy_loss(
     """M2PO loss: -1/sum_i |o_i| sum_i sum_t M_it r_it A_i, r = pi/mu unclipped, M = ~m2po_drop.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. rollout_logps: the sampler's (mu; NaN rows and None:
-    old_logps). m2po_drop: [B, T], m2po_select's on the mini-batch (None: on this batch, now)."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up. rollout_logps:
+    mu (NaN rows and None: old_logps). m2po_drop: [B, T], m2po_select's (None: on this batch)."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     mu = behaviour(old_logps, rollout_logps)
@@ -170,12 +159,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -185,10 +170,10 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             with torch.no_grad():  # ALGO LOGIC: Algorithm 1 once per mini-batch, at pi_theta now
                 if epoch == 0 and mb == 0 and "old_logps" in batch and not args.replay:
-                    now = batch["old_logps"]  # the policy has not moved since they were computed
+                    now = batch["old_logps"]  # the policy has not moved since
                 else:
                     now = compute_logps(policy, batch, args.temperature, plan)
                 mu = behaviour(batch.get("old_logps", now), batch.get("sampler_logps"))
@@ -197,13 +182,13 @@ def update_policy(
                 batch["m2po_drop"] = m2po_select(now, mu, batch["advantages"], mine, args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -236,26 +221,25 @@ def main(args: Args) -> None:
     if args.rollout_correction not in ("auto", "none"):  # ALGO LOGIC: r = pi/mu is the IS weight
         raise SystemExit("m2po.py weighs by pi/mu, mu the sampler: drop --rollout-correction")
     args = replace(args, rollout_correction="none")  # what runs, in args.json
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -272,36 +256,35 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the tokens update_policy selects are per token, as the mask
+        # ALGO LOGIC: update_policy's token selection, per token
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["m2po_drop"])
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -310,7 +293,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,36 +1,26 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """PPO with a learned value model: vanilla PPO and GAE as Open-Reasoner-Zero trains it.
 
 Paper: Open-Reasoner-Zero, Hu et al. 2025, https://arxiv.org/abs/2503.24290 (§2.1.3, §3.1; code:
 Open-Reasoner-Zero/Open-Reasoner-Zero@3fdd9a0 playground/orz_7b_ppo.py, orz/ppo). What a critic
 needs in long chains of thought: VC-PPO, Yuan et al. 2025, https://arxiv.org/abs/2503.01491.
 
-What this algorithm changes vs GRPO: a critic V (a second causal LM with a scalar head, from the
-policy's checkpoint or --critic-model-name-or-path; common/critic.py) replaces the group baseline.
-The outcome reward R sits on the last completion token; GAE turns the critic's values into an
-advantage per token; the critic regresses on the GAE returns with PPO's clipped value loss, with
-its own optimizer, lr and warm-up; the policy loss is PPO's clip with a token mean; no KL:
+What this algorithm changes vs GRPO: a critic V (a causal LM with a scalar head, common/critic.py)
+replaces the group baseline: GAE on its values turns the last token's outcome reward into per-token
+advantages, and it regresses on the GAE returns (PPO's clipped value loss, its own optimizer). The
+policy loss is PPO's clip with a token mean; no KL:
 
-    delta_t = r_t + gamma V(s_t+1) - V(s_t),   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V(s_t)
+    delta_t = r_t + gamma V_t+1 - V_t,   A_t = sum_k (gamma lam)^k delta_t+k,   R_t = A_t + V_t
     A whitened over the rollout's tokens (all ranks) ("batch level advantage normalization", §3.1)
     J_policy = 1/sum_i |o_i| sum_i sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
-    L_value  = 1/2 1/sum_i |o_i| sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+    L_value = 1/(2 sum_i |o_i|) sum_i sum_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
 
-With gamma = lam = 1 and the reward only at the end, A_t = R - V(s_t) and R_t = R: the critic learns
-a per-token Monte-Carlo baseline of the outcome.
-
-Defaults: ORZ's 7B run (§3.1 and its code). From the paper: gamma = lam = 1, eps = 0.2, no KL and
-no entropy bonus, policy lr 1e-6 and critic lr 5e-6, each constant after a linear warm-up of 50
-optimizer steps, AdamW without weight decay, 128 prompts x 64 samples at temperature 1, top-p 1,
-one policy step per rollout and 12 critic mini-batches per rollout, whitened advantages, critic and
-policy from the same base model, not sharing weights. From the code: value clip 0.2 (eq. 2 has
-none; --value-clip None), reward 1 for a correct answer that stopped, else 0 (a truncated one gets
-0), 8000 new tokens, 2048 prompt tokens, the R1-style <think>/<answer> prompt, grad clip 1.0. Ours:
-Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and MATH-500 evaluation (ORZ: its 57k set); the
-critic's head starts at zero (ORZ draws it at random: common/critic.py says why); the token mean
-is over the mini-batch (ORZ averages per packed micro-batch); AdamW's betas are torch's (0.9,
-0.999), not ORZ's (0.9, 0.95); with --lora-rank the critic gets adapters of its own.
-Not from the paper (as in every script): --rollout-correction weighs the policy term (on with vLLM).
+With gamma = lam = 1 and the reward at the end, A_t = R - V_t and R_t = R. Defaults: ORZ's 7B run,
+§3.1 and its code (docs/algorithms.md; the value clip is the code's, eq. 2 has none). Our choices:
+Qwen2.5-7B (ORZ also trains 32B), grpo.py's data and evaluation; the head starts at zero (ORZ:
+random; common/critic.py says why); the token mean is the mini-batch's (ORZ: a packed
+micro-batch's); torch's AdamW betas (ORZ: 0.9, 0.95); LoRA gives the critic its own adapters. Not
+from the paper: --rollout-correction (on with vLLM) weighs the policy term.
 
     accelerate launch ppo.py                                  # the paper setting, on GPUs
     python ppo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -68,7 +58,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(CriticArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py (the docstring); the critic's defaults are ORZ's
+    # ORZ §3.1-3.2 and its playground/orz_7b_ppo.py; the critic's defaults are ORZ's
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # §3.1 (32B too)
     prompt_template: PromptTemplate = "r1"  # the code's zero_setting_base.py: <think>/<answer>
     max_prompt_tokens: int = 2048  # the code's prompt_max_len
@@ -82,25 +72,23 @@ class Args(CriticArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     truncated_reward: Literal["zero", "keep"] = "zero"
-    """zero: a completion cut off at --max-new-tokens gets reward 0 (ORZ's code); keep: the
-    verifier's score (e.g. on a toy task whose completions rarely end with EOS)"""
+    """zero: a truncated completion scores 0 (ORZ's code); keep: the verifier's score"""
     gamma: float = 1.0
     """GAE's discount (ORZ §2.1.3: 1)"""
     lam: float = 1.0
     """GAE's lambda (ORZ §2.1.3: 1; 0.95 is the usual RL value, unstable in ORZ's Figure 7)"""
     value_clip: float | None = 0.2
-    """the critic's values move at most this far from the rollout's per update (ORZ's code; None:
-    the unclipped 1/2 (V - R)^2 of ORZ eq. 2)"""
+    """how far values may move from the rollout's per update (ORZ's code; None: eq. 2, unclipped)"""
 
 
 # ALGO LOGIC: rewards, advantages and the losses
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """ORZ's outcome reward: 1 for a verified answer whose completion stopped, 0 otherwise (a
-    truncated one gets 0: orz_7b_ppo.py custom_reward_fn; --truncated-reward keep). [N] tensors."""
+    """1 for a verified answer whose completion stopped, else 0 (orz_7b_ppo.py custom_reward_fn;
+    --truncated-reward keep scores truncated ones too). [N] tensors."""
     reward = correct.float()
     return reward * ~truncated.bool() if args.truncated_reward == "zero" else reward
 
@@ -114,11 +102,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
-    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
-    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T], by a parallel scan in log2(T) steps."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened; a position
+    with mask 0 (a tool's output) is skipped, the next value and the running advantage carrying
+    past it. token_rewards, values, mask: [B, T]; lam: a float or [B]. Returns (A, R), [B, T], by a
+    parallel scan of A_t = a_t + c_t A_t+1 in log2(T) steps."""
     keep, t = mask > 0, values.shape[1]
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
     idx = torch.where(keep, torch.arange(t, device=mask.device), t).flip(1).cummin(1).values
@@ -133,9 +120,8 @@ def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, 
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ORZ's batch-level advantage normalisation (orz/ppo/utils.py normalize_advantages) over every
-    rank's completion tokens: (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0
-    outside the mask."""
+    """ORZ's normalize_advantages (orz/ppo/utils.py) over every rank's completion tokens:
+    (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0 outside the mask."""
     m = mask.to(advantages.dtype)
     count, total = global_sum(torch.stack([m.sum(), (advantages * m).sum()]))
     mean = total / count.clamp(min=1)
@@ -144,9 +130,8 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """A critic's advantages: the outcome reward on the last token, GAE with --gamma and --lam on
-    the critic's values, whitened. rewards: [N]; values, mask: [N, T]. Returns (advantages, the
-    critic's targets R_t), [N, T] each (unlike the critic-free scripts' [N] -> [N])."""
+    """GAE on the critic's values from the last token's reward, whitened. rewards: [N]; values,
+    mask: [N, T]. Returns (advantages, the critic's targets R_t), [N, T] each."""
     advantages, returns = compute_gae(
         outcome_token_rewards(rewards, mask), values, mask, args.gamma, args.lam
     )
@@ -167,12 +152,11 @@ def compute_policy_loss(
     """PPO loss (ORZ eq. 1) with a token mean: -1/sum_i |o_i| sum_i sum_t min(r A_it, clip(r) A_it).
 
     logps, old_logps, mask, advantages: [B, T] (the advantage is per token). num_tokens: the
-    mini-batch's token count when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. No KL: ref_logps and num_seqs are unused."""
+    mini-batch's token count (default: this batch's), so its micro-batches add up. No KL: ref_logps
+    and num_seqs are unused."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -193,10 +177,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
-    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
-    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
-    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
-    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    """PPO's clipped value loss above (verl compute_value_loss, ORZ's ValueLoss), c = --value-clip
+    (None: unclipped, ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger, as verl's."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     per_token = (values - returns) ** 2
     clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
@@ -214,12 +197,8 @@ def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -229,16 +208,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -266,13 +245,11 @@ def update_policy(
     return stats
 
 
-# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+# TRY NOT TO MODIFY: the critic's update loop
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
-    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
-    value loss, accumulated over micro-batches with the mini-batch's global token count (the
-    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
-    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
-    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
+    epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
+    drive the policy's engine). Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     updates = args.critic_num_mini_batches * args.ppo_epochs
     stats, norms, skipped = {}, [], 0
@@ -283,7 +260,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
             plan = micro_batches(mini_rows.tolist(), batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, _ = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(critic):
@@ -307,8 +284,8 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     clip_ok = args.value_clip is None or args.value_clip > 0  # ALGO LOGIC: GAE's and the critic's
@@ -316,20 +293,19 @@ def main(args: Args) -> None:
         raise SystemExit("need 0 <= --gamma <= 1, 0 <= --lam <= 1 and --value-clip > 0 (or None)")
     check_critic_args(args, len(tokenizer), world)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    # ALGO LOGIC: the critic, prepared after the policy (the checkpoint's order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -343,19 +319,18 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
+        # ALGO LOGIC: rewards; the advantages need the critic's values (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the critic's values, its targets and the advantages are per token
+        # ALGO LOGIC: the critic's values, targets and advantages, per token
         token_fields = ["old_values", "returns", "advantages"]
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, token_fields)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
@@ -370,18 +345,18 @@ def main(args: Args) -> None:
         )
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -396,7 +371,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,43 +1,30 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """REINFORCE++: PPO without a critic, the KL inside the reward and advantages normalised globally.
 
 Paper: Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global
-Normalization", https://arxiv.org/abs/2501.03262 (v9): eq. 1 (the loss), eq. 4-5 and Algorithm 1
-(REINFORCE++), eq. 6-8 (REINFORCE++ w/ Baseline); the settings of v1 §4.2 Table 1. Official code:
-OpenRLHF (openrlhf/trainer/ppo_utils/experience_maker.py, estimators reinforce, reinforce_baseline).
+Normalization", https://arxiv.org/abs/2501.03262 (v9: eq. 1, 4-5, Algorithm 1; w/ Baseline: eq.
+6-8; the settings: v1 §4.2 Table 1). Official code: OpenRLHF (experience_maker.py).
 
-What this algorithm changes vs GRPO: no group statistics and no KL term in the loss. The KL to a
-frozen reference is a penalty in every token's reward (k1, at the policy that sampled), the outcome
-reward sits on the last token, a token's advantage is its return (the discounted sum of the rewards
-from it on), and the returns are normalised by the mean and std of all the rollout's tokens, over
-every rank. Advantages are therefore per token, [B, T]. The loss is PPO's clip with GRPO's
-per-sequence token mean (eq. 1):
+What this algorithm changes vs GRPO: no group statistics and no KL term in the loss: a k1 KL to a
+frozen reference is a penalty in every token's reward, the outcome sits on the last token, and a
+token's advantage is its return, normalised over all the rollout's tokens (every rank). PPO's clip
+with GRPO's per-sequence token mean:
 
     R_t = [t = |o|] r - beta KL(t),   KL(t) = log pi_old(o_t) - log pi_ref(o_t)        (eq. 4)
     G_t = sum_{u >= t} gamma^(u-t) R_u,   A_t = (G_t - mean_batch G) / (std_batch G + eps)  (eq. 5)
     J = E[ 1/|o| sum_t min(s_t A_t, clip(s_t, 1-eps, 1+eps) A_t) ],  s_t = pi / pi_old  (eq. 1)
 
---group-baseline is REINFORCE++ w/ Baseline (eq. 6-8, for groups of k > 1 samples): A' = r - mean_g r
-on every token (undiscounted, no KL in the reward), normalised over the batch as above, and the KL
-as a k2 loss, + beta/2 (log pi - log pi_ref)^2 in the same per-token mean. A token inside a
-completion with mask 0 (a tool's output, say) is skipped: no reward or KL there, and the return
-carries past it undiscounted (verl's compute_reinforce_plus_plus_outcome_advantage).
+--group-baseline (w/ Baseline): A' = r - mean_g r on every token, normalised as above; the KL is a
+k2 loss, beta/2 (log pi - log pi_ref)^2, in the same mean. A masked token inside a completion (a
+tool's output) gets no reward; the return carries past it (verl).
 
-Defaults: v1 Table 1, the only settings the paper reports (v9 reports none): beta = 0.001 (its
-mathematics setting; 0.01 for general RLHF), clip 0.2, 4 samples per prompt, a rollout of 256
-prompts trained in batches of 128 samples (OpenRLHF's units: 8 optimizer steps per rollout of
-1024), lr 5e-7, gamma = 1. Our choices: grpo.py's model and data (v9 §4.2: a Qwen2.5-Math base on
-MATH), length (1024), steps and a constant lr (OpenRLHF: cosine, 3% warm-up); the std is the
-population std over tokens (OpenRLHF; verl's is unbiased), eps = 1e-6 added to it (eq. 5; OpenRLHF
-clamps the variance at 1e-8); KL estimates are not clamped (OpenRLHF clamps them to +-10). The
-paper's k = 1 (one sample per prompt, its general-RLHF setting) is refused by the shared
---group-size >= 2. OpenRLHF's --group-baseline recipe
-(examples/scripts/train_reinforce_baseline_hybrid_engine.sh): 128 prompts x 8, one optimizer step
-per rollout, beta 1e-5, lr 5e-7. Not from the paper: the verifier reads the template's answer
-format (--reward-format auto), and --rollout-correction (on with vLLM) weights the policy term.
+Defaults: v1 Table 1 (docs/algorithms.md), grpo.py's model, data and lengths. Our choices: the
+population std over tokens (OpenRLHF; verl: unbiased) plus eps = 1e-6 (eq. 5; OpenRLHF clamps the
+variance at 1e-8); unclamped KL estimates (OpenRLHF: +-10); no k = 1 (--group-size >= 2);
+--rollout-correction (on with vLLM) weights the policy term.
 
-    accelerate launch reinforce_pp.py                                  # the paper setting, on GPUs
-    python reinforce_pp.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
+    accelerate launch reinforce_pp.py                              # the paper setting, on GPUs
+    python reinforce_pp.py --model-name-or-path /tmp/toy/model ... # README "Quickstart": a CPU run
 """
 
 from __future__ import annotations
@@ -70,17 +57,17 @@ class Args(SharedArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """PPO clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     beta: float = 0.001
-    """KL coefficient: k1 in every token's reward; with --group-baseline a k2 loss (0: no reference)"""
+    """KL coefficient: k1 in the reward; --group-baseline: a k2 loss (0: no reference)"""
     adv_eps: float = 1e-6
-    """eps in A = (G - mean) / (std + eps), the mean and std over all the rollout's tokens"""
+    """eps in A = (G - mean) / (std + eps), over all the rollout's tokens"""
     gamma: float = 1.0
-    """discount of the rewards after a token in its return (1: the paper's undiscounted sum)"""
+    """discount in a token's return (1: the paper's undiscounted sum)"""
     group_baseline: bool = False
-    """REINFORCE++ w/ Baseline: r - mean_g r on every token, normalised globally; KL as a k2 loss"""
+    """REINFORCE++ w/ Baseline: r - mean_g r on every token; KL as a k2 loss (eq. 6-8)"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
@@ -90,8 +77,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def compute_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = R_t + gamma G_t+1 over the tokens with mask 1. A masked token gets 0 and the running
-    return carries past it undiscounted (verl). token_rewards, mask: [B, T]."""
+    """G_t = R_t + gamma G_t+1 over the tokens with mask 1; a masked token gets 0 and the return
+    carries past it. token_rewards, mask: [B, T]."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
@@ -108,10 +95,8 @@ def compute_advantages(
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token advantages [N, T] (eq. 4-5; --group-baseline eq. 6-7). rewards: [N], this rank's
-    share, groups contiguous; mask, old_logps (the policy that sampled), ref_logps: [N, T], the
-    log-probs needed with beta > 0 only. The returns are normalised by the mean and the population
-    std of the tokens of every rank's rollout (two all-reduces)."""
+    """Per-token advantages [N, T] (eq. 4-7). rewards: [N], this rank's share, groups contiguous;
+    mask, old_logps (the sampler's policy), ref_logps: [N, T] (log-probs needed if beta > 0)."""
     r = rewards
     if args.group_baseline:  # eq. 6: the group's mean reward as the baseline, no std
         g = rewards.view(-1, args.group_size)
@@ -142,19 +127,18 @@ def compute_policy_loss(
     """REINFORCE++ loss (eq. 1): -1/B sum_i 1/|o_i| sum_t min(s A_t, clip(s) A_t); with
     --group-baseline + beta k2 in the same mean (eq. 8).
 
-    logps, old_logps, mask, ref_logps, advantages: [B, T] (per token: docs/design.md "The
-    contract"). num_seqs / num_tokens: the mini-batch's normalisers when this batch is one
-    micro-batch of it (common.batching.grad_normalizers); by default the batch's own. Stats are
-    token means over the same mini-batch, so they add up over micro-batches too."""
+    logps, old_logps, mask, ref_logps, advantages: [B, T] (docs/design.md "The contract").
+    num_seqs / num_tokens: the mini-batch's normalisers (default: this batch's), so its
+    micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
     ratio = torch.exp(log_ratio)
-    adv = advantages  # per token: the KL in the reward makes A depend on t
+    adv = advantages
     clipped = torch.clamp(ratio, 1 - args.clip_eps_low, 1 + args.clip_eps_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     # 1 without --rollout-correction
@@ -180,12 +164,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -195,16 +175,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -235,26 +215,25 @@ def update_policy(
 def main(args: Args) -> None:
     if not 0 < args.gamma <= 1 or (args.group_baseline and args.gamma != 1):  # ALGO LOGIC
         raise SystemExit("--gamma must be in (0, 1], and 1 with --group-baseline (eq. 6)")
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -268,22 +247,21 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
+        # ALGO LOGIC: rewards; the advantages follow the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
-        # DATA: --gt-injection / --replay may replace groups (then the rewards follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         trained_rewards = rewards
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the advantages are per token (they follow the KL), set after the log-probs
+        # ALGO LOGIC: per-token advantages, set after the log-probs
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, ["advantages"])
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
@@ -299,13 +277,13 @@ def main(args: Args) -> None:
                 trained_rewards, batch["mask"], args, batch.get("old_logps"), batch.get("ref_logps")
             )
             batch["advantages"] = advantages
-            if recompute:  # DATA: --replay's rows take their stored log-probs, and are stored
+            if recompute:  # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -314,7 +292,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

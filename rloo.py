@@ -1,37 +1,23 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """RLOO: REINFORCE with a leave-one-out baseline, each completion one action.
 
 Paper: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4 (the KL-shaped
-reward), §2.3 (the estimator), App. C (training details). No official code; the implementations
-tools/compare_peers.py runs beside this one: TRL's RLOOTrainer, verl's and OpenRLHF's rloo.
+from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740 (v2): §2.2 eq. 3-4, §2.3, App. C. No
+official code (tools/compare_peers.py runs TRL's, verl's and OpenRLHF's RLOO beside this one).
 
-What this algorithm changes vs GRPO: the whole completion is one action (a bandit, §2.2). Its
-reward carries the KL to a frozen reference summed over its tokens (k1, at the policy that
-sampled); its advantage is that reward minus the mean reward of the other G - 1 completions of its
-prompt (no std); the loss is REINFORCE's, the advantage times the completion's log-probability,
-averaged over completions, with no ratio, no clip and no KL term:
+What this algorithm changes vs GRPO: the whole completion is one action (§2.2): its reward carries
+the k1 KL to a frozen reference summed over its tokens, its baseline is the mean reward of the
+other G - 1 (no std), and the loss is REINFORCE's on its log-probability: no ratio, no clip, no KL
+term; a long completion moves the policy more than a short one:
 
     R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))                      (eq. 3-4)
     A_i = R_i - 1/(G-1) sum_{j != i} R_j  =  G/(G-1) (R_i - mean_g R)                   (§2.3)
     L = -1/N sum_i A_i sum_t log pi(o_it)                                               (§2.3)
 
-Every token of a completion gets the gradient -A_i / N: a long completion moves the policy more
-than a short one (GRPO divides by |o_i|). The paper takes 2 gradient steps per rollout (App. C)
-and writes its estimator without an importance ratio or clip (§2.3); this script applies it on
-both steps, the second on samples of the policy before the first. --rloo-loss token-clip is
-verl's and OpenRLHF's RLOO: PPO's clip per token, A_i on every token, a token mean. TRL's
-RLOOTrainer clips the sequence ratio pi(o_i) / pi_old(o_i): the same gradient on the first step,
-not on the second.
-
-Defaults: App. C's TL;DR run (Pythia-6.9B): beta = 0.03, a rollout of 512 in 2 optimizer steps of
-256, a constant lr of 1e-6 after a linear warm-up over 3% of the steps, 600 steps; G = 4 (the paper
-runs k = 2 and 4; k = 4 is ahead on 2 of its 3 settings, Table 1). Our choices: the 512 are
-completions (128 prompts x 4), the warm-up 3% of the 1200 optimizer steps (36); grpo.py's model,
-data, length (1024) and evaluation (the paper: summarisation and dialogue with reward models). A
-group of one completion cannot occur (--group-size >= 2; verl keeps its raw reward). Not from the
-paper: the verifier reads the template's answer format (--reward-format auto), and
---rollout-correction (on with vLLM) weights each token's policy term.
+As the paper (App. C): 2 gradient steps per rollout with this estimator, the second on the previous
+policy's samples. --rloo-loss token-clip is verl's and OpenRLHF's RLOO; TRL clips the sequence
+ratio. Defaults: App. C's TL;DR run (docs/algorithms.md) on grpo.py's model, data, lengths and
+evaluation. --rollout-correction (on with vLLM; not from the paper) weights each token's term.
 
     accelerate launch rloo.py                                  # the paper setting, on GPUs
     python rloo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -71,11 +57,11 @@ class Args(SharedArgs):
     beta: float = 0.03
     """KL coefficient: R = r - beta sum_t log(pi_old / pi_ref) (0 loads no reference model)"""
     rloo_loss: Literal["reinforce", "token-clip"] = "reinforce"
-    """reinforce: -A sum_t log pi, the paper's; token-clip: PPO's clip per token, token mean (verl)"""
+    """reinforce: -A sum_t log pi, the paper's; token-clip: PPO's clip, a token mean (verl)"""
     clip_eps_low: float = 0.2
-    """--rloo-loss token-clip: ratios below 1 - clip_eps_low stop negative-advantage gradients"""
+    """--rloo-loss token-clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
-    """--rloo-loss token-clip: ratios above 1 + clip_eps_high stop positive-advantage gradients"""
+    """--rloo-loss token-clip: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
 
 
 # ALGO LOGIC: rewards, advantages and the loss
@@ -85,8 +71,8 @@ def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
 
 
 def kl_shaped_rewards(rewards, mask, old_logps, ref_logps, args: Args) -> torch.Tensor:
-    """R_i = r_i - beta sum_t (log pi_old - log pi_ref)(o_it) (eq. 3-4: k1 summed over the
-    completion, at the policy that sampled it). rewards: [N]; mask, old_logps, ref_logps: [N, T]."""
+    """R_i of eq. 3-4: k1 summed over the completion, at the policy that sampled it. rewards: [N];
+    mask, old_logps, ref_logps: [N, T]."""
     if args.beta == 0:
         return rewards
     return rewards - args.beta * ((old_logps - ref_logps) * mask).sum(-1)
@@ -94,7 +80,7 @@ def kl_shaped_rewards(rewards, mask, old_logps, ref_logps, args: Args) -> torch.
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """A_i = R_i - 1/(G-1) sum_{j != i} R_j (§2.3). rewards: [N], the KL-shaped R, groups
-    contiguous. A group whose rewards are all equal gets A = 0."""
+    contiguous."""
     r = rewards.view(-1, args.group_size)
     baseline = (r.sum(dim=1, keepdim=True) - r) / (args.group_size - 1)  # the other G - 1
     return (r - baseline).view(-1)
@@ -115,13 +101,11 @@ def compute_policy_loss(
     -1/sum_i |o_i| sum_i sum_t min(r A_i, clip(r) A_i).
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -150,12 +134,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -165,16 +145,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -203,26 +183,25 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -236,21 +215,20 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages come after the log-probs (the KL is in the reward)
+        # ALGO LOGIC: rewards; the advantages follow the log-probs (the KL is in the reward)
         rewards = compute_rewards(correct, lengths, truncated, args)
-        # DATA: --gt-injection / --replay may replace groups (then the rewards follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         trained_rewards = rewards
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
@@ -267,13 +245,13 @@ def main(args: Args) -> None:
             )
             advantages = compute_advantages(shaped, args)
             batch["advantages"] = advantages
-            if recompute:  # DATA: --replay's rows take their stored log-probs, and are stored
+            if recompute:  # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -282,7 +260,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

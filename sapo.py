@@ -1,35 +1,23 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """SAPO: Soft Adaptive Policy Optimization.
 
-Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347, eqs. (5)-(6) as the notes quoting
-its v2 number them (its full text was not available to us). No official code: the loss as verl,
-TRL, SkyRL and AReaL implement it (identically, up to the aggregation).
+Paper: Gao et al. 2025 (Qwen), https://arxiv.org/abs/2511.20347, eqs. (5)-(6) of v2 (its full text
+was not available to us: numbers and defaults unchecked). No official code: the loss as verl, TRL,
+SkyRL and AReaL implement it (identically, up to the aggregation).
 
-What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth, temperature-controlled gate
-on each token's ratio. GRPO drops a token's gradient once its ratio leaves [1 - eps, 1 + eps] in the
-advantage's direction; SAPO keeps every token and scales its gradient down smoothly as r moves away
-from 1, faster for negative advantages (tau_neg > tau_pos). The gate is normalised by 4 / tau, so
-its slope at r = 1 is 1 for any tau: on-policy, SAPO's gradient is GRPO's. No clip, no KL term; the
-aggregation is GRPO's per-sequence token mean:
+What this algorithm changes vs GRPO: PPO's hard clip becomes a smooth gate on each token's ratio: a
+token's gradient is scaled down as r moves away from 1, never dropped, faster for negative
+advantages (tau_neg > tau_pos). The gate's slope is 1 at r = 1: on-policy SAPO is GRPO, hence
+several optimizer steps per rollout. No clip, no KL; GRPO's per-sequence token mean:
 
     J = E[ 1/G sum_i 1/|o_i| sum_t f(r_it) A_i ],  f(r) = sigmoid(tau (r - 1)) 4 / tau
     tau = tau_pos if A_i > 0 else tau_neg,  A_i = (R_i - mean_g R) / (std_g R + eps)
     d [f(r) A] / d log pi = w r A,  w = 4 s (1 - s),  s = sigmoid(tau (r - 1))  (w = 1 at r = 1)
 
-SAPO differs from GRPO only once r != 1: with one update per rollout r = 1 and the two take the same
-step, so the default splits each rollout into 8 optimizer steps, as verl's Qwen3-30B-A3B SAPO
-example (256 prompts in mini-batches of 32; the notes on the paper give 4 for its section 5.1).
-Defaults: tau_pos = 1.0, tau_neg = 1.05, the values verl (actor.yaml: "default values used in the
-paper with Qwen3-30B-A3B-Base"), TRL (docs: "the paper's setting"), SkyRL and AReaL ship as the
-paper's, and the notes on its section 5.1 (its text was not available to check); the paper trains
-Qwen3-30B-A3B-scale MoE models (and Qwen3-VL), so the model, data, group size, batch, lr and
-lengths are grpo.py's, the mini-batches verl's; no KL (beta = 0; verl's SAPO
-example: use_kl_loss=False). Choices: the log-ratio is clamped to +-20 before exp (verl, SkyRL; the
-gate is flat there), so r never overflows; A = 0 takes tau_neg (all peers; its term is 0); std
-unbiased, eps_std = 1e-6, A = 0 for a zero-variance group (grpo.py). Not from the paper: the
-\\boxed{} verifier of qwen-boxed (--reward-format auto), --rollout-correction (on with vLLM), which
-weights each token's policy term (as verl and SkyRL), never the k3 KL term that --beta > 0 adds
-inside the same average (grpo.py's).
+Defaults: docs/algorithms.md. Our choices: grpo.py's std and verifier; the log-ratio clamped to
++-20 (verl, SkyRL; the gate is flat there); A = 0 takes tau_neg (all peers; its term is 0);
+--rollout-correction (on with vLLM) weights each token's policy term (verl, SkyRL), never the k3
+KL that --beta > 0 adds (grpo.py's).
 
     accelerate launch sapo.py                                  # the paper setting, on GPUs
     python sapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -57,7 +45,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(SharedArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # verl's Qwen3-30B-A3B SAPO example: 256 prompts in mini-batches of 32 (the docstring)
+    # verl's Qwen3-30B-A3B SAPO example: 256 prompts in mini-batches of 32
     num_mini_batches: int = 8  # with 1, SAPO is GRPO
 
     # Algorithm specific arguments
@@ -73,13 +61,13 @@ class Args(SharedArgs):
 
 # ALGO LOGIC: rewards, advantages and the loss
 def compute_rewards(correct, lengths, truncated, args: Args) -> torch.Tensor:
-    """GRPO's outcome reward: 1 for a verified answer, 0 otherwise. [N] tensors."""
+    """The outcome reward: 1 for a verified answer, else 0. [N] tensors."""
     return correct.float()
 
 
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3). rewards: [N],
-    groups contiguous. std is unbiased; a group whose rewards are all equal gets A = 0."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) (DeepSeekMath §4.1.2, R1 eq. 3), std
+    unbiased. rewards: [N], groups contiguous."""
     r = rewards.view(-1, args.group_size)
     adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + args.adv_eps)
     return adv.view(-1)
@@ -99,20 +87,18 @@ def compute_policy_loss(
     """SAPO loss: -1/G sum_i 1/|o_i| sum_t [f(r_it) A_i - beta KL_k3], f the soft gate above.
 
     logps, old_logps, mask, ref_logps: [B, T]; advantages: [B]. num_seqs / num_tokens: the
-    mini-batch's normalisers when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too."""
+    mini-batch's normalisers (default: this batch's), so its micro-batches add up."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = (logps - old_logps).clamp(-20.0, 20.0)  # verl, SkyRL: exp never overflows
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    # filled in the log-probs' dtype on their device (Python floats in torch.where round tau to fp32,
-    # new_tensor copies from the host at every micro-batch)
+    # tau in the log-probs' dtype, on their device: torch.where rounds a Python float to fp32,
+    # new_tensor copies from the host at every micro-batch
     tau_pos = torch.full_like(adv, args.sapo_tau_pos, dtype=ratio.dtype)
     tau = torch.where(adv > 0, tau_pos, torch.full_like(tau_pos, args.sapo_tau_neg))
     gate_s = torch.sigmoid(tau * (ratio - 1))
@@ -139,12 +125,8 @@ def compute_policy_loss(
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -154,16 +136,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -192,28 +174,27 @@ def update_policy(
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     if args.sapo_tau_pos <= 0 or args.sapo_tau_neg <= 0:  # ALGO LOGIC: f divides by tau
         raise SystemExit("--sapo-tau-pos and --sapo-tau-neg must be > 0")
     tokenizer, model = load_model(args)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
-    if args.beta > 0:  # ALGO LOGIC: frozen reference for the KL term (sharded as the policy)
+    if args.beta > 0:  # ALGO LOGIC: the KL term's frozen reference
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -230,35 +211,34 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards and advantages
         rewards = compute_rewards(correct, lengths, truncated, args)
         advantages = compute_advantages(rewards, args)
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
             advantages = compute_advantages(trained_rewards, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
         batch = make_batch(groups.prompts, groups.completions, pad_id, device)
         batch["advantages"] = advantages
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         plan = micro_batches(list(range(len(advantages))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
             if ref_policy is not None and has_signal:
                 batch["ref_logps"] = compute_logps(ref_policy, batch, args.temperature, plan)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -267,7 +247,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """VAPO: Value-model-based Augmented Proximal Policy Optimization.
 
 Paper: Yue et al. 2025, https://arxiv.org/abs/2504.05118 (ByteDance Seed), on VC-PPO (Yuan et al.
@@ -6,37 +6,24 @@ Paper: Yue et al. 2025, https://arxiv.org/abs/2504.05118 (ByteDance Seed), on VC
 the token-level loss, https://arxiv.org/abs/2503.14476). No official code.
 
 What this algorithm changes vs ppo.py (PPO with a critic and GAE), the paper's seven changes:
-1. Value pre-training (§3.1): for the first --value-warmup-steps steps the critic alone trains, on
-   the initial policy's samples (the policy is not updated), towards Monte-Carlo returns.
-2. Decoupled GAE (§3.1): the critic's targets use lambda_critic = 1.0, the policy's advantages a
-   smaller lambda of their own.
-3. Length-adaptive GAE (§3.2): the policy's lambda for a completion of l tokens is 1 - 1 / (alpha l),
-   alpha = 0.05, so that sum_t lambda^t = alpha l grows with the length; clamped at 0 for
-   l < 1 / alpha (our choice: the formula is negative there; the paper's lengths are longer).
-4. Clip-Higher (§3.3): eps_low 0.2, eps_high 0.28 (DAPO §3.1).
-5. Token-level policy-gradient loss (§3.2): a token mean over the mini-batch (DAPO §3.3).
-6. Positive-example LM loss (§3.3): L = L_PPO + mu L_NLL, L_NLL the token-mean negative
-   log-likelihood of the mini-batch's correct completions, mu = 0.1 (self-imitation).
-7. Group sampling (§3.3): many samples of fewer prompts, 512 x 16 (Args' overrides).
+1. Value pre-training (§3.1): the critic alone trains first, on the initial policy's samples.
+2. Decoupled GAE (§3.1): lambda = 1.0 for the critic's targets (with lambda < 1 they mix in its own
+   biased values and the end reward decays through a long completion: VC-PPO), a smaller one for
+   the policy's advantages.
+3. Length-adaptive GAE (§3.2): lambda_policy = 1 - 1 / (alpha l) for l tokens (sum_t lambda^t =
+   alpha l), clamped at 0 for l < 1 / alpha (our choice: the formula is negative there).
+4. Clip-Higher (§3.3, DAPO §3.1).   5. A token-level policy loss (§3.2, DAPO §3.3).
+6. Positive-example LM loss (§3.3): mu times the token-mean NLL of the correct completions.
+7. Group sampling (§3.3): many samples of fewer prompts.
 
-    A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the critic's target)
+    A_t = GAE(gamma, lambda_policy(l)) on V, whitened;   R_t = GAE(gamma, 1.0) + V (the targets)
     L = -1/sum_i |o_i| sum_i sum_t min(r A, clip(r, 1 - 0.2, 1 + 0.28) A)
         - mu / sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it)
 
-Why the critic gets 1.0 and the policy the smaller lambda (a note has them the other way round, the
-policy at 1.0, the critic at 0.9; we follow the paper): with lambda < 1 the critic's target mixes in
-its own biased bootstrapped values and the end reward decays on its way back through a long
-completion (VC-PPO's reward signal decay); the policy's advantages may trade bias for variance.
-
-Defaults. From the paper (§4.1): 50 warm-up steps, lambda_critic 1.0, alpha 0.05, Clip-Higher
-0.2 / 0.28, mu 0.1, 512 prompts x 16, mini-batches of 512 samples (16 updates per rollout, the
-critic's too), actor lr 1e-6 and critic lr 2e-6 (as reproductions quote §4.1; its text was not
-at hand, check it against the PDF), in DAPO's data, prompt, budget and AIME evaluation, on
-Qwen2.5-7B (the paper's 32B does not fit one node). The critic starts from the policy's checkpoint
-(the paper's starts from a reward model, which a verifier-based run does not have). The paper is
-silent on: the reward (±1 as DAPO eq. 7, whose setting VAPO compares under), gamma (1), advantage
-whitening (verl's compute_gae_advantage_return whitens; so do we), the value clip (verl's 0.5), the
-critic's warm-up and weight decay (none). Not from the paper: --rollout-correction (on with vLLM).
+Defaults: §4.1 in DAPO's setting (docs/algorithms.md). Our choices: Qwen2.5-7B (the paper's 32B
+does not fit one node); the critic from the policy (the paper's from a reward model, which a
+verifier-based run lacks); where the paper is silent, DAPO's +-1 reward, gamma 1, verl's whitening
+and value clip 0.5, no critic warm-up or weight decay; --rollout-correction (on with vLLM).
 
     accelerate launch vapo.py                                  # the paper setting, on GPUs
     python vapo.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run
@@ -73,7 +60,7 @@ from common.setup import load_sampler, start
 @dataclass
 class Args(CriticArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    # §4.1, in DAPO's setting, which VAPO compares in (dapo.py's one-node translation of it)
+    # §4.1, in DAPO's setting, which VAPO compares in (dapo.py's one-node translation)
     model_name_or_path: str = "Qwen/Qwen2.5-7B"  # the paper's Qwen2.5-32B does not fit one node
     dataset_name: str = "open-r1/DAPO-Math-17k-Processed"  # DAPO's data, as dapo.py loads it
     dataset_config: str | None = "en"
@@ -96,11 +83,11 @@ class Args(CriticArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.28
-    """Clip-Higher: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
+    """Clip-Higher: r > 1 + clip_eps_high stops a positive-advantage token's gradient"""
     gamma: float = 1.0
-    """GAE's discount, for the critic's targets and the policy's advantages (paper silent: 1)"""
+    """GAE's discount, the critic's and the policy's (the paper is silent: 1)"""
     lam_critic: float = 1.0
     """GAE's lambda of the critic's targets (§3.1, decoupled GAE: 1.0, Monte-Carlo returns)"""
     lam_alpha: float = 0.05
@@ -110,8 +97,7 @@ class Args(CriticArgs):
     nll_coef: float = 0.1
     """mu: weight of the NLL of the mini-batch's correct completions in the policy loss (§4.1)"""
     value_clip: float | None = 0.5
-    """the critic's values move at most this far from the rollout's per update (verl's default;
-    None: the unclipped 1/2 (V - R)^2)"""
+    """how far values may move from the rollout's per update (verl's default; None: unclipped)"""
 
 
 # ALGO LOGIC: rewards, advantages and the losses
@@ -129,11 +115,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
-    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
-    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T], by a parallel scan in log2(T) steps."""
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened; a position
+    with mask 0 (a tool's output) is skipped, the next value and the running advantage carrying
+    past it. token_rewards, values, mask: [B, T]; lam: a float or [B]. Returns (A, R), [B, T], by a
+    parallel scan of A_t = a_t + c_t A_t+1 in log2(T) steps."""
     keep, t = mask > 0, values.shape[1]
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
     idx = torch.where(keep, torch.arange(t, device=mask.device), t).flip(1).cummin(1).values
@@ -158,15 +143,14 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_lambda(mask: torch.Tensor, args: Args) -> torch.Tensor:
-    """Length-adaptive GAE (§3.2): lambda = 1 - 1 / (alpha l), l each completion's token count, [B];
-    at least 0 (the formula is negative for l < 1 / alpha)."""
+    """Length-adaptive GAE (§3.2): max(0, 1 - 1 / (alpha l)), l each completion's length. [B]"""
     return (1 - 1 / (args.lam_alpha * mask.sum(-1).clamp(min=1).double())).clamp(min=0)
 
 
 def compute_advantages(rewards, values, mask, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE (§3.1): the critic's targets R_t with lambda_critic, the policy's advantages
-    with the length-adaptive lambda (whitened), both on the same values and the outcome reward on
-    the last token. rewards: [N]; values, mask: [N, T]. Returns (advantages, R_t), [N, T] each."""
+    """Decoupled GAE (§3.1) on the same values and last-token reward: the critic's targets with
+    lambda_critic, the policy's advantages with the length-adaptive lambda, whitened. rewards: [N];
+    values, mask: [N, T]. Returns (advantages, R_t), [N, T] each."""
     token_rewards = outcome_token_rewards(rewards, mask)
     _, returns = compute_gae(token_rewards, values, mask, args.gamma, args.lam_critic)
     lam = policy_lambda(mask, args)
@@ -187,17 +171,16 @@ def compute_policy_loss(
     positive: torch.Tensor | None = None,
     num_pos_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """VAPO's loss: the token-mean PPO loss with Clip-Higher plus mu times the NLL of the correct
-    completions, -1/sum_{i correct} |o_i| sum_{i correct} sum_t log pi(o_it) (§3.3).
+    """VAPO's loss (§3.3): the token-mean PPO loss with Clip-Higher plus mu times the correct
+    completions' token-mean NLL.
 
     logps, old_logps, mask, advantages: [B, T] (the advantage is per token); positive: [B], 1 for a
     correct completion (None: no NLL term). num_tokens / num_pos_tokens: the mini-batch's token
-    counts (all, correct) when this batch is one micro-batch of it (common.batching
-    .grad_normalizers); by default the batch's own. Stats are token means over the same mini-batch,
-    so they add up over micro-batches too. No KL: ref_logps and num_seqs are unused."""
+    counts, all and correct (default: this batch's), so its micro-batches add up. No KL: ref_logps
+    and num_seqs are unused."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -224,10 +207,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
-    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
-    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
-    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
-    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    """PPO's clipped value loss above (verl compute_value_loss, ORZ's ValueLoss), c = --value-clip
+    (None: unclipped, ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger, as verl's."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     per_token = (values - returns) ** 2
     clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
@@ -245,12 +227,8 @@ def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -260,18 +238,18 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            # ALGO LOGIC: the LM loss's normaliser, the mini-batch's tokens of correct completions
+            # ALGO LOGIC: the NLL's normaliser, the mini-batch's correct tokens
             num_pos, _ = grad_normalizers([m["mask"] * m["positive"][:, None] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -300,13 +278,11 @@ def update_policy(
     return stats
 
 
-# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+# TRY NOT TO MODIFY: the critic's update loop
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
-    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
-    value loss, accumulated over micro-batches with the mini-batch's global token count (the
-    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
-    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
-    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
+    epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
+    drive the policy's engine). Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     updates = args.critic_num_mini_batches * args.ppo_epochs
     stats, norms, skipped = {}, [], 0
@@ -317,7 +293,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
             plan = micro_batches(mini_rows.tolist(), batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, _ = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(critic):
@@ -341,8 +317,8 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     clip_ok = args.value_clip is None or args.value_clip > 0  # ALGO LOGIC: GAE's and the critic's
@@ -352,20 +328,19 @@ def main(args: Args) -> None:
         raise SystemExit("need --lam-alpha > 0, --value-warmup-steps >= 0 and --nll-coef >= 0")
     check_critic_args(args, len(tokenizer), world)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    # ALGO LOGIC: the critic, prepared after the policy (the checkpoint's order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -379,19 +354,18 @@ def main(args: Args) -> None:
         truncated = torch.tensor([c.truncated for c in completions], device=device)
         timer.lap("reward")
 
-        # ALGO LOGIC: rewards; the advantages need the critic's values of the batch (below)
+        # ALGO LOGIC: rewards; the advantages need the critic's values (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        # ALGO LOGIC: the critic's values, its targets and the advantages are per token
+        # ALGO LOGIC: the critic's values, targets and advantages, per token
         token_fields = ["old_values", "returns", "advantages"]
         batch = make_batch(groups.prompts, groups.completions, pad_id, device, token_fields)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
@@ -409,18 +383,18 @@ def main(args: Args) -> None:
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
         warmup = step < args.value_warmup_steps  # ALGO LOGIC: value pre-training, the critic alone
         has_signal = has_signal and not warmup
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
         with torch.no_grad():
             if recompute and has_signal:
                 old_logps = compute_logps(policy, batch, args.temperature, plan)
-                # DATA: --replay's rows take their stored log-probs; high-value groups are stored
+                # DATA: --replay's rows keep their stored log-probs
                 batch["old_logps"] = data.update_replay(groups, old_logps, advantages)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -435,7 +409,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )

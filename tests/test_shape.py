@@ -7,7 +7,9 @@ import ast
 import copy
 import dataclasses
 import difflib
+import io
 import os
+import tokenize
 
 import pytest
 
@@ -39,6 +41,10 @@ MAX_DIFF = {
     "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
     "vapo": 334,
 }
+# prose (docstring and comment characters) per code character: cleanRL's ppo.py is at 0.23, nanochat's chat_rl.py at
+# 0.50; a docstring keeps the paper, the change, its equations and our deviations, the defaults' provenance lives in
+# docs/algorithms.md (docs/design.md "Shape")
+MAX_PROSE, MAX_PROSE_ALL = 0.55, 0.50  # any one script; the scripts together
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
 EXTRA_IMPORTS = {
     "dapo": {"gather", "PromptTemplate"},  # dynamic sampling's kept-group fraction; the template's type
@@ -209,3 +215,41 @@ def test_dapo_and_cispo_share_one_dynamic_sampling_loop():
     one is a fix in both."""
     dapo, cispo = dynamic_sampling(source("dapo")), dynamic_sampling(source("cispo"))
     assert len(dapo) > 10 and dapo == cispo
+
+
+def prose_and_code(src: str) -> tuple[int, int]:
+    """(prose, code) characters of a source, each line stripped: the lines of a string statement (a module, class,
+    function or field docstring) and the comments are prose, the rest is code."""
+    lines = src.splitlines()
+    doc_lines = set()
+    for node in ast.walk(ast.parse(src)):
+        if not isinstance(getattr(node, "body", None), list):
+            continue
+        for stmt in node.body:
+            if (
+                isinstance(stmt, ast.Expr)
+                and isinstance(stmt.value, ast.Constant)
+                and isinstance(stmt.value.value, str)
+            ):
+                doc_lines.update(range(stmt.lineno, stmt.end_lineno + 1))
+    comments = {
+        tok.start[0]: len(tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    prose = sum(len(lines[i - 1].strip()) for i in doc_lines) + sum(comments.values())
+    code = 0
+    for i, line in enumerate(lines, 1):
+        text = line.strip()
+        if i in doc_lines or text.startswith("#"):
+            continue
+        code += len(text[: len(text) - comments.get(i, 0)].strip())
+    return prose, code
+
+
+def test_prose_stays_at_the_anchors_density():
+    counts = {name: prose_and_code(source(name)) for name in SCRIPTS}
+    dense = {name: round(p / c, 2) for name, (p, c) in counts.items() if p > MAX_PROSE * c}
+    assert not dense, f"prose per code character above {MAX_PROSE}: {dense}"
+    prose, code = (sum(column) for column in zip(*counts.values()))
+    assert prose <= MAX_PROSE_ALL * code, f"the scripts' prose per code character: {prose / code:.2f} > {MAX_PROSE_ALL}"
