@@ -175,7 +175,8 @@ COUNTS = ("reward_timeouts", "vote_check_failures")  # summed over datasets, not
 
 
 def overall(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The mean of the datasets' numbers (NaNs aside), standard errors combined as sqrt(sum se^2) / D, the COUNTS
+    """The mean of the datasets' numbers (NaNs aside: a dataset without correct answers has no length of correct
+    ones), standard errors combined as sqrt(sum se^2) / D, the COUNTS
     summed; pass@j for the j every dataset has, avg and maj as "avg" and "maj" (each dataset at its own k)."""
     keys = [re.sub(r"(avg|maj)@\d+", r"\1", key) for key in summaries[0]]
     renamed = [{re.sub(r"(avg|maj)@\d+", r"\1", key): v for key, v in s.items()} for s in summaries]
@@ -187,8 +188,8 @@ def overall(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
         finite = values[~np.isnan(values)]
         if key in COUNTS:
             out[key] = float(np.sum(values))
-        elif key.endswith("_stderr"):
-            out[key] = float(math.sqrt(np.sum(finite**2)) / len(finite)) if len(finite) else float("nan")
+        elif key.endswith("_stderr"):  # NaN when a dataset has none (one question)
+            out[key] = float(math.sqrt(np.sum(values**2)) / len(values))
         else:
             out[key] = float(np.mean(finite)) if len(finite) else float("nan")
     out["questions"] = float(sum(s["questions"] for s in summaries))
