@@ -246,6 +246,10 @@ def test_evaluate_end_to_end_on_the_toy_model_with_a_local_jsonl_and_champ(toy_a
     compare([str(train), result, "--keys", "eval/test/avg@2", "--group-by", "exp-name"])
     printed = capsys.readouterr().out
     assert "grpo" in printed and "toy" in printed and "0.25" in printed
+    compare([result])  # the default keys: the accuracies, no lengths or standard errors
+    printed = capsys.readouterr().out
+    assert "eval/champ/pass@2" in printed and "eval/test/maj@2" in printed
+    assert "stderr" not in printed and "response_length" not in printed
 
 
 def test_a_failure_while_writing_leaves_no_result_directory(toy_assets, tmp_path, monkeypatch):
