@@ -403,6 +403,81 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def sampler_kind(args: Args, model_dir: str) -> str:
+    """--sampler resolved; with vLLM, refused in one line beyond the model's positions."""
+    try:
+        kind = resolve_sampler(args.sampler)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    length = args.max_prompt_tokens + args.max_new_tokens
+    positions = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+    if kind == "vllm" and positions is not None and length > positions:
+        raise SystemExit(
+            f"--max-prompt-tokens + --max-new-tokens = {length} exceeds the model's {positions} "
+            "positions, which vLLM refuses: lower them"
+        )
+    return kind
+
+
+def run_datasets(sampler, specs: list[Spec], sets: dict, args: Args) -> tuple[dict, dict]:
+    """({label: Scored}, {label: seconds}): each dataset in one sampler call, in the order given."""
+    results, seconds = {}, {}
+    for spec in specs:
+        prompts, golds, _ = sets[spec.label]
+        sampler.stop = STOP_STRINGS.get(spec.template, [])  # the template's stop (r1: </answer>)
+        t0 = time.time()
+        results[spec.label] = generate_and_score(
+            sampler, prompts, golds, spec.k, args.temperature, args.top_p, args.max_new_tokens,
+            spec.answer_format,
+        )  # fmt: skip
+        seconds[spec.label] = time.time() - t0
+        print(
+            f"{spec.label}: {len(prompts)} x {spec.k} in {seconds[spec.label]:.1f}s",
+            file=sys.stderr,
+        )
+    return results, seconds
+
+
+def completion_rows(specs: list[Spec], sets: dict, results: dict, tokenizer):
+    """completions.jsonl's rows: every completion with its prompt, answer, class and verdict."""
+    for s in specs:
+        prompts, golds, _ = sets[s.label]
+        r = results[s.label]
+        for q, prompt in enumerate(prompts):
+            shown = tokenizer.decode(prompt)
+            for i in range(s.k):
+                yield {
+                    "dataset": s.label,
+                    "question": q,
+                    "sample": i,
+                    "prompt": shown,
+                    "gold": golds[q],
+                    "completion": r.texts[q][i],
+                    "answer": r.answers[q][i],
+                    "answer_class": r.classes[q][i],
+                    "correct": bool(r.correct[q, i]),
+                    "tokens": int(r.lengths[q, i]),
+                    "truncated": bool(r.truncated[q, i]),
+                }
+
+
+def write_results(out: str, files: dict[str, str], results: dict, draw: bool) -> None:
+    """The result directory: `files` ({name: text}) and the plot, written under out.tmp and renamed when
+    complete; removed if anything fails."""
+    tmp = out + ".tmp"
+    try:
+        os.makedirs(tmp)
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        if draw:
+            plot(results, os.path.join(tmp, "accuracy_length.png"))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def main(args: Args) -> str:
     """Evaluates, writes the result directory and prints the table; returns the directory."""
     started = time.time()
@@ -413,113 +488,57 @@ def main(args: Args) -> str:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001
         first = (str(e).splitlines() or [""])[0]
-        raise SystemExit(
-            f"--model-name-or-path: cannot load the tokenizer of {model_dir!r}: {first}"
-        ) from None
+        raise SystemExit(f"--model-name-or-path: no tokenizer in {model_dir!r}: {first}") from None
     sets = {s.label: load_set(s, tokenizer, args) for s in specs}
-    max_len = args.max_prompt_tokens + args.max_new_tokens
-    try:
-        kind = resolve_sampler(args.sampler)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    positions = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-    if kind == "vllm" and positions is not None and max_len > positions:
-        raise SystemExit(
-            f"--max-prompt-tokens + --max-new-tokens = {max_len} exceeds the model's {positions} "
-            "positions, which vLLM refuses: lower them"
-        )
+    kind = sampler_kind(args, model_dir)
     set_workers(args.reward_workers)
-    sha256 = checkpoint_hash(model_dir)
+    model = {"path": model_dir, "requested": args.model_name_or_path, "step": step}
+    model["sha256"] = checkpoint_hash(model_dir)
+    max_len = args.max_prompt_tokens + args.max_new_tokens
     sampler = make_eval_sampler(kind, args, model_dir, tokenizer, max_len)
-    results, summaries, timing = {}, {}, {}
     try:
-        for spec in specs:
-            prompts, golds, _ = sets[spec.label]
-            sampler.stop = STOP_STRINGS.get(spec.template, [])  # e.g. r1 ends at </answer>
-            t0 = time.time()
-            results[spec.label] = generate_and_score(
-                sampler, prompts, golds, spec.k, args.temperature, args.top_p, args.max_new_tokens,
-                spec.answer_format,
-            )  # fmt: skip
-            summaries[spec.label] = summarise(results[spec.label])
-            timing[spec.label] = time.time() - t0
-            print(
-                f"{spec.label}: {len(prompts)} questions x {spec.k} in {timing[spec.label]:.1f}s",
-                file=sys.stderr,
-            )
+        results, seconds = run_datasets(sampler, specs, sets, args)
     finally:
         sampler.close()
+    summaries = {label: summarise(r) for label, r in results.items()}
     total = overall(list(summaries.values()))
     kmax = max(s.k for s in specs)
-    pass_ks = args.pass_k or sorted(
-        {2**i for i in range(kmax.bit_length()) if 2**i <= kmax} | {kmax}
-    )
+    powers = {2**i for i in range(kmax.bit_length()) if 2**i <= kmax}
     rows = [(s.label, s.k, summaries[s.label]) for s in specs]
-    text = table(rows + ([("overall", 0, total)] if len(specs) > 1 else []), pass_ks)
-    info = run_info("cuda" if torch.cuda.is_available() else "cpu", 1)
-    flags = asdict(args)
-    record = {
-        "model": {
-            "path": model_dir,
-            "requested": args.model_name_or_path,
-            "sha256": sha256,
-            "step": step,
-        },
-        "sampler": kind,
-        "flags": flags,
-        "run": info,
-        "datasets": {
-            s.label: {
-                **dataclasses.asdict(s),
-                "rows": sets[s.label][2],
-                "kept": len(sets[s.label][0]),
-                **summaries[s.label],
-                "verifier": results[s.label].info,
-                "vote_verifier": results[s.label].vote_info,
-                "seconds": timing[s.label],
-            }
-            for s in specs
-        },
-        "overall": total,
-        "seconds": time.time() - started,
-    }
-    tmp = out + ".tmp"
-    try:
-        os.makedirs(tmp)
-        with open(os.path.join(tmp, "completions.jsonl"), "w") as f:
-            for s in specs:
-                prompts, golds, _ = sets[s.label]
-                r = results[s.label]
-                for q, prompt in enumerate(prompts):
-                    shown = tokenizer.decode(prompt)
-                    for i in range(s.k):
-                        row = {"dataset": s.label, "question": q, "sample": i, "prompt": shown}
-                        row.update(gold=golds[q], completion=r.texts[q][i], answer=r.answers[q][i])
-                        row.update(answer_class=r.classes[q][i], correct=bool(r.correct[q, i]))
-                        row.update(tokens=int(r.lengths[q, i]), truncated=bool(r.truncated[q, i]))
-                        f.write(json.dumps(row) + "\n")
-        with open(os.path.join(tmp, "results.json"), "w") as f:
-            json.dump(record, f, indent=1)
-        with open(os.path.join(tmp, "results.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(tmp, "args.json"), "w") as f:  # tools/compare.py reads it as a run
-            json.dump({**flags, "run": info, "evaluated_model": model_dir}, f, indent=2)
-        metrics = {
-            f"eval/{label}/{key}": v
-            for label, s in summaries.items()
-            for key, v in s.items()
-            if key not in ("questions", "samples")
+    rows += [("overall", 0, total)] if len(specs) > 1 else []
+    text = table(rows, args.pass_k or sorted(powers | {kmax}))
+    info, flags = run_info("cuda" if torch.cuda.is_available() else "cpu", 1), asdict(args)
+    datasets = {
+        s.label: {
+            **dataclasses.asdict(s),
+            "rows": sets[s.label][2],
+            "kept": len(sets[s.label][0]),
+            **summaries[s.label],
+            "verifier": results[s.label].info,
+            "vote_verifier": results[s.label].vote_info,
+            "seconds": seconds[s.label],
         }
-        with open(os.path.join(tmp, "metrics.jsonl"), "w") as f:
-            f.write(
-                json.dumps({"step": step or 0, **metrics, "time/eval": record["seconds"]}) + "\n"
-            )
-        if args.plot:
-            plot(results, os.path.join(tmp, "accuracy_length.png"))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        for s in specs
+    }
+    record = {"model": model, "sampler": kind, "flags": flags, "run": info, "datasets": datasets}
+    record.update(overall=total, seconds=time.time() - started)
+    metrics = {  # every number under in-training evaluation's keys, at the checkpoint's step
+        f"eval/{label}/{key}": v
+        for label, s in summaries.items()
+        for key, v in s.items()
+        if key not in ("questions", "samples")
+    }
+    row = {"step": step or 0, **metrics, "time/eval": record["seconds"]}
+    files = {
+        "completions.jsonl": "".join(
+            json.dumps(r) + "\n" for r in completion_rows(specs, sets, results, tokenizer)
+        ),
+        "results.json": json.dumps(record, indent=1),
+        "results.md": text,
+        "args.json": json.dumps({**flags, "run": info, "evaluated_model": model_dir}, indent=2),
+        "metrics.jsonl": json.dumps(row) + "\n",
+    }
+    write_results(out, files, results, args.plot)
     print(text, end="")
     print(f"results: {out}", file=sys.stderr)
     return out
