@@ -27,6 +27,7 @@ math_eval.py), a standard error sqrt(sum se_d^2) / D, pass@j for the j every dat
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -236,7 +237,8 @@ def check_samples(k: int, pass_ks: Sequence[int], samples_flag: str, pass_flag: 
 _CONSTANT = re.compile(r"-?(\d+(\.\d+)?|sqrt\(\d+\))(/(\d+|sqrt\(\d+\)))?")
 
 
-def champ_rows() -> list[dict[str, str]]:
+@functools.lru_cache(maxsize=1)  # the package's file is 73 MB of JSON (problems, model conversations)
+def champ_rows() -> tuple[dict[str, str], ...]:
     """CHAMP's problems with a numeric answer, in the package's order: {"problem", "answer", "solution",
     "category", "identifier"} (the `@@` math markers removed, the solution's steps joined)."""
     try:
@@ -250,4 +252,4 @@ def champ_rows() -> list[dict[str, str]]:
             steps = " ".join(step.text for step in (p.solution.steps if p.solution else []))
             row = {"problem": p.text, "answer": answer, "solution": steps}
             rows.append({**row, "category": p.category, "identifier": p.identifier})
-    return rows
+    return tuple(rows)

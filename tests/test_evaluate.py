@@ -260,7 +260,12 @@ def test_a_failure_while_writing_leaves_no_result_directory(toy_assets, tmp_path
 
     monkeypatch.setattr(evaluate, "plot", broken)
     with pytest.raises(RuntimeError, match="disk full"):
-        evaluate.main(evaluate.parse(toy_eval_flags(toy_assets, out, **{"--limit": "2"}) + ["--plot"]))
+        evaluate.main(
+            evaluate.parse(
+                toy_eval_flags(toy_assets, out, **{"--datasets": "TEST,prompt=question,limit=2,template=none"})
+                + ["--plot"]
+            )
+        )
     assert os.listdir(out) == []
 
 
