@@ -187,6 +187,22 @@ def test_in_training_pass_k_above_the_samples_is_refused_before_anything_is_load
     assert "--eval-pass-k" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_preset_sets_the_defaults_and_flags_given_win():
+    """R1's "Evaluation Setup" (T 0.6, top-p 0.95, up to 64 samples, 32,768 tokens) and Qwen2.5-Math's eval.sh
+    (greedy, one sample, 2048 tokens, seed 0, the boxed chat prompt); a flag on the command line wins, even when it
+    says the flag's own default."""
+    r1 = evaluate.parse(["--model-name-or-path", "m", "--preset", "r1", "--temperature", "0"])
+    assert (r1.temperature, r1.top_p, r1.samples, r1.max_new_tokens) == (0.0, 0.95, 64, 32768)
+    assert (r1.prompt_template, r1.reward_format, r1.preset) == ("r1", "answer-tag", "r1")
+    qwen = evaluate.parse(["--preset=qwen-math", "--model-name-or-path", "m"])
+    assert (qwen.temperature, qwen.top_p, qwen.samples, qwen.max_new_tokens, qwen.seed) == (0.0, 1.0, 1, 2048, 0)
+    assert (qwen.prompt_template, qwen.reward_format) == ("qwen-boxed", "boxed")
+    plain = evaluate.parse(["--model-name-or-path", "m"])
+    assert (plain.temperature, plain.samples, plain.preset) == (0.0, 1, "none")
+    with pytest.raises(SystemExit):
+        evaluate.parse(["--model-name-or-path", "m", "--preset", "r2"])
+
+
 def toy_eval_flags(assets, out, **change) -> list[str]:
     """evaluate.py's flags on the toy task (its test set and 4 of champ's problems, 2 samples of 3 tokens), with
     `change` ({"--flag": "values separated by spaces"}; TEST: the test set's path) replacing or adding flags."""
