@@ -48,8 +48,8 @@ from common.data import STOP_STRINGS, encode_prompts, load_eval_rows
 from common.evaluation import (
     check_samples,
     dataset_key,
-    generate_and_score,
     overall,
+    score_completions,
     summarise,
 )
 from common.reward import ANSWER_FORMATS, TEMPLATE_ANSWER_FORMATS, set_workers
@@ -420,19 +420,22 @@ def sampler_kind(args: Args, model_dir: str) -> str:
 
 
 def run_datasets(sampler, specs: list[Spec], sets: dict, args: Args) -> tuple[dict, dict]:
-    """({label: Scored}, {label: seconds}): each dataset in one sampler call, in the order given."""
+    """({label: Scored}, {label: {"generate": s, "score": s}}): each dataset in one sampler call, in order."""
     results, seconds = {}, {}
+    top_p = args.top_p if args.temperature > 0 else 1.0  # greedy: top-p 1, as in training
     for spec in specs:
         prompts, golds, _ = sets[spec.label]
         sampler.stop = STOP_STRINGS.get(spec.template, [])  # the template's stop (r1: </answer>)
         t0 = time.time()
-        results[spec.label] = generate_and_score(
-            sampler, prompts, golds, spec.k, args.temperature, args.top_p, args.max_new_tokens,
-            spec.answer_format,
-        )  # fmt: skip
-        seconds[spec.label] = time.time() - t0
+        completions = sampler.generate(
+            prompts, spec.k, args.temperature, top_p, args.max_new_tokens
+        )
+        t1 = time.time()
+        results[spec.label] = score_completions(completions, golds, spec.k, spec.answer_format)
+        seconds[spec.label] = {"generate": t1 - t0, "score": time.time() - t1}
         print(
-            f"{spec.label}: {len(prompts)} x {spec.k} in {seconds[spec.label]:.1f}s",
+            f"{spec.label}: {len(prompts)} x {spec.k} generated in {t1 - t0:.1f}s, "
+            f"scored in {seconds[spec.label]['score']:.1f}s",
             file=sys.stderr,
         )
     return results, seconds
