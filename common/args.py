@@ -222,13 +222,15 @@ class SharedArgs:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["HuggingFaceH4/MATH-500"])
-    """hub ids (split 'test') or local files to evaluate on"""
+    """hub ids (split 'test'), local files or champ (docs/evaluation.md) to evaluate on"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "answer"
     """answer column of the evaluation datasets"""
     eval_samples: int = 1
     """k completions per evaluation question (avg@k, pass@k, maj@k)"""
+    eval_pass_k: list[int] = field(default_factory=list)
+    """which k of pass@k to log, each from 1 to --eval-samples (empty: --eval-samples alone)"""
     eval_temperature: float = 0.0
     """evaluation sampling temperature (0: greedy)"""
     eval_top_p: float = 1.0

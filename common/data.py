@@ -37,6 +37,7 @@ from common.data_strategies import (
     update_replay,
 )
 from common.env import EVAL_TASKS, Env, GymEnv, failed_turn, open_env
+from common.evaluation import champ_rows, check_samples
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.tool import Tool, ToolConfig, splice_text
 
@@ -144,6 +145,19 @@ def load_rows(name: str, config: str | None, split: str, prompt_column: str, ans
     if len(ds) == 0:
         raise SystemExit(f"{flag}: dataset {name!r} split {split!r} is empty")
     return [str(q) for q in ds[prompt_column]], [str(a) for a in ds[answer_column]]
+
+
+def load_eval_rows(name: str, config: str | None, split: str, prompt_column: str, answer_column: str, flag: str):
+    """An evaluation set's questions and answers: `load_rows`, or `champ`, the champ-dataset package's competition
+    problems with a numeric answer (columns problem, answer, solution, category, identifier; offline:
+    common.evaluation.champ_rows)."""
+    if name != "champ":
+        return load_rows(name, config, split, prompt_column, answer_column, flag)
+    rows = champ_rows()
+    for col, col_flag in ((prompt_column, "--prompt-column"), (answer_column, "--answer-column")):
+        if col not in rows[0]:
+            raise SystemExit(f"{col_flag}: column {col!r} not in 'champ'; available: {list(rows[0])}")
+    return [r[prompt_column] for r in rows], [r[answer_column] for r in rows]
 
 
 def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, log=print):
@@ -435,8 +449,11 @@ def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None,
                 "pass rate of 0.5, so the first steps order nothing (tools/profile_data.py writes a profile)"
             )
     eval_sets = {}
+    if args.eval_every > 0:
+        check_samples(args.eval_samples, args.eval_pass_k, "--eval-samples", "--eval-pass-k")
     for name in args.eval_datasets if args.eval_every > 0 else []:
-        qs, ans = load_rows(name, None, "test", args.eval_prompt_column, args.eval_answer_column, "--eval-datasets")
+        cols = (args.eval_prompt_column, args.eval_answer_column)
+        qs, ans = load_eval_rows(name, None, "test", *cols, "--eval-datasets")
         n = args.eval_limit or len(qs)
         eval_sets[name] = encode_prompts(qs[:n], ans[:n], tokenizer, args, "--eval-datasets", log)
     return train, eval_sets

@@ -13,7 +13,7 @@ TensorBoard text). No algorithm reads them: they only describe what the policy i
 - accuracy of completions longer than the step's mean length against the others (does thinking longer pay?).
 - language mixing: a completion holding both a CJK character and a Latin word of two or more letters (LaTeX
   commands such as \\frac are not words).
-- evaluation: avg@k, unbiased pass@k (Chen et al. 2021) and maj@k (cons@k: majority vote over final answers).
+- evaluation (`evaluate`): common/evaluation.py's scores, which evaluate.py reports too.
 - `health_metrics`: all of the above over all ranks: each rank reduces its texts to per-completion numbers
   (`text_features`), which are gathered with correctness and lengths, so 2 processes log what 1 process holding
   every completion would (`completion_stats`).
@@ -27,7 +27,6 @@ import json
 import os
 import re
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,7 +34,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from common.args import SharedArgs
-from common.reward import extract_final_answer, score
+from common.evaluation import (  # noqa: F401 - pass_at_k and majority_correct: their home before common/evaluation.py
+    dataset_key,
+    generate_and_score,
+    majority_correct,
+    pass_at_k,
+    summarise,
+    training_metrics,
+)
 
 REFLECTION_WORDS = (
     "wait",
@@ -170,48 +176,31 @@ def health_metrics(texts: Sequence[str], correct, lengths, group_size: int, acce
     return {f"train/{k}": v for k, v in stats_from_features(x[:, :-2], x[:, -2], x[:, -1]).items()}
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    if k > n:
-        raise ValueError(f"pass@k needs k <= n, got k={k}, n={n}")
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
-def majority_correct(answers: Sequence[str | None], correct: Sequence[float]) -> float:
-    """maj@k: the correctness of the most frequent final answer among the samples (None = no answer, never
-    voted for). Ties between equally frequent answers count as the mean correctness of the tied answers."""
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
-        return 0.0
-    top = max(votes.values())
-    tied = [a for a, v in votes.items() if v == top]
-    score = {a: c for a, c in zip(answers, correct) if a is not None}
-    return float(np.mean([score[a] for a in tied]))
-
-
 def evaluate(sampler, eval_sets, args: SharedArgs) -> dict[str, float]:
-    """avg@k, unbiased pass@k and maj@k (cons@k) on every evaluation set: {name: (prompt ids, golds)}, k =
-    --eval-samples per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
-    --eval-max-new-tokens, the final answer read in the run's resolved --reward-format. With --env the golds are its
-    held-out tasks and an episode is correct when the environment calls it a success (no maj@k: no final answer)."""
-    k, fmt, temperature, start = (args.eval_samples, args.reward_format, args.eval_temperature, time.time())
-    top_p, metrics = args.eval_top_p if temperature > 0 else 1.0, {}
+    """Every evaluation set ({name: (prompt ids, golds)}) through common.evaluation, evaluate.py's code path: k =
+    --eval-samples completions per question at --eval-temperature (0: greedy, top-p then 1), --eval-top-p and
+    --eval-max-new-tokens, one sampler call per set, the final answer read in the run's resolved --reward-format.
+    Logs eval/<dataset>/avg@k, pass@j for each j of --eval-pass-k (default k), maj@k (math-verify-equivalent answers
+    vote together), lengths, truncation, format errors and verifier timeouts (docs/metrics.md). With --env the golds
+    are its held-out tasks and an episode is correct when the environment calls it a success (no maj@k: no final
+    answer)."""
+    k, start = args.eval_samples, time.time()
+    temperature, metrics = args.eval_temperature, {}
     for name, (prompts, golds) in eval_sets.items():
         if args.env != "none":
+            top_p = args.eval_top_p if temperature > 0 else 1.0
             outs = sampler.generate(prompts, k, temperature, top_p, args.eval_max_new_tokens, golds)
             groups = [[float(o.env.success) for o in outs[q * k : (q + 1) * k]] for q in range(len(prompts))]
             short = name.split(":")[-1]
             metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for c in groups]))
-            metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for c in groups]))
+            for j in args.eval_pass_k or [k]:
+                metrics[f"eval/{short}/pass@{j}"] = float(np.mean([pass_at_k(k, int(sum(c)), j) for c in groups]))
             continue
-        texts = [o.text for o in sampler.generate(prompts, k, temperature, top_p, args.eval_max_new_tokens)]
-        correct, _ = score(texts, [g for g in golds for _ in range(k)], answer_format=fmt)
-        groups = [(texts[q * k : (q + 1) * k], correct[q * k : (q + 1) * k]) for q in range(len(prompts))]
-        short = os.path.splitext(os.path.basename(name.rstrip("/")))[0]
-        metrics[f"eval/{short}/avg@{k}"] = float(np.mean([np.mean(c) for _, c in groups]))
-        metrics[f"eval/{short}/pass@{k}"] = float(np.mean([pass_at_k(k, int(sum(c)), k) for _, c in groups]))
-        finals = [[extract_final_answer(t, fmt) for t in ts] for ts, _ in groups]
-        metrics[f"eval/{short}/maj@{k}"] = float(np.mean([majority_correct(f, c) for f, (_, c) in zip(finals, groups)]))
+        scored = generate_and_score(
+            sampler, prompts, golds, k, args.eval_temperature, args.eval_top_p, args.eval_max_new_tokens,
+            args.reward_format,
+        )  # fmt: skip
+        metrics.update(training_metrics(dataset_key(name), summarise(scored), args.eval_pass_k or [k]))
     metrics["time/eval"] = time.time() - start
     return metrics
 

@@ -42,7 +42,8 @@ def documented_key(key: str) -> str:
     key = re.sub(r"^(train/daro_[wLM]_)[0-9.]+$", r"\1<μ>", key)
     key = re.sub(r"^train/reflection/[a-z_]+_(frac|accuracy)$", r"train/reflection/<pattern>_\1", key)
     key = re.sub(r"^(train/adv_(mean|std)_pos)\d+$", r"\1<k>", key)
-    return re.sub(r"^eval/[^/]+/(avg|pass|maj)@\d+$", r"eval/<dataset>/\1@k", key)
+    key = re.sub(r"^eval/[^/]+/", "eval/<dataset>/", key)
+    return re.sub(r"^(eval/<dataset>/(avg|pass|maj))@\d+$", r"\1@k", key)
 
 
 def undocumented_metric_keys(keys) -> list[str]:

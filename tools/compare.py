@@ -29,6 +29,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ IGNORED = {
     "run",
 }
 DEFAULT_TRAIN_KEYS = ["train/accuracy", "train/reward_mean"]
+ACCURACY_KEY = re.compile(r"^eval/.+/(avg|pass|maj)@\d+$")  # the default eval/ keys (no lengths, no standard errors)
 
 
 # Student t quantiles without scipy ------------------------------------------------------------------------------
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--baseline", default=None, help="the group the others are compared to (default: the first by name)")
     p.add_argument(
-        "--keys", nargs="+", default=None, help="metric keys (default: every eval/ key, train accuracy and reward)"
+        "--keys", nargs="+", default=None, help="metric keys (default: eval/ accuracies, train accuracy and reward)"
     )
     p.add_argument("--window", type=int, default=1, help="final/best: mean over this many last steps")
     p.add_argument("--include-incomplete", action="store_true", help="keep runs that stopped before --total-steps")
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     if baseline not in groups:
         raise SystemExit(f"--baseline {baseline!r} is not a group; the groups are: {', '.join(groups)}")
     present = {k for r in runs for row in r.rows for k in row}
-    keys = a.keys or sorted(k for k in present if k.startswith("eval/")) + [
+    keys = a.keys or sorted(k for k in present if ACCURACY_KEY.match(k)) + [
         k for k in DEFAULT_TRAIN_KEYS if k in present
     ]
     missing = [k for k in keys if k not in present]
