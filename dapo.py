@@ -137,7 +137,7 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dynamic sampling's filter (eq. 8's constraint 0 < |{o_i : correct}| < G): True for the groups
     kept. correct: [num_groups * G] (1 or True = correct), groups contiguous. [num_groups] bool."""
-    num_correct = (correct.view(-1, group_size) > 0).sum(dim=1)
+    num_correct = (correct.view(-1, group_size) == 1).sum(dim=1)
     return (num_correct > 0) & (num_correct < group_size)
 
 
