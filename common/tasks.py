@@ -120,7 +120,9 @@ def parse_task_name(name: str, flag: str) -> tuple[str, dict[str, Any], int, int
             names = ", ".join(["size", "seed", *fields])
             raise SystemExit(f"{where}: {task} has no option {key!r}; its options: {names}")
         f = fields[key]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
         options[key] = _convert(text.strip(), default, key, where)
     try:  # the task's own checks of its options (e.g. min <= max)
         config = config_cls(**options, seed=seed, size=size)
