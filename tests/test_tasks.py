@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import grpo
 from common import tasks
 from common.data import TrainData, check_data_args, load_rows
 from common.data_strategies import inject_and_replay
+from common.metrics import step_metrics
 from common.reward import extract_final_answer, parse_task_gold, score, task_dataset
 from common.sampling import Completion
 from tests.checks import reward_wall_bound, run_scripts
@@ -219,7 +221,8 @@ def test_generation_is_the_same_in_another_process():
 def test_partial_credit_reaches_the_reward_and_nothing_that_counts_correct_answers():
     """Scores (1, 0.65, 0.3, 0) in one group, (0.65, 0.65, 0, 0) in another: grpo.py's reward is the score, dynamic
     sampling (dapo, cispo) keeps only the first group (the second has no correct answer), DARO buckets by score-1
-    counts, injection treats the second group as all-wrong, and the tracker counts one pass in eight."""
+    counts, injection treats the second group as all-wrong, the tracker and the accuracy metrics count one pass in
+    eight while the reward metrics see the scores."""
     scores = torch.tensor([1.0, 0.65, 0.3, 0.0, 0.65, 0.65, 0.0, 0.0])
     assert torch.equal(grpo.compute_rewards(scores, None, None, None), scores)
     assert dapo.filter_groups(scores, 4).tolist() == [True, False] == cispo.filter_groups(scores, 4).tolist()
@@ -232,6 +235,10 @@ def test_partial_credit_reaches_the_reward_and_nothing_that_counts_correct_answe
     assert groups.injected == [False, True] and groups.correct[:4] == scores[:4].tolist()
     data.train_groups([0, 1], completions, scores.tolist(), 0, _OneProcess())
     assert data.tracker.correct.tolist() == [1.0, 0.0] and data.tracker.samples.tolist() == [4.0, 4.0]
+    timer, info = SimpleNamespace(elapsed=lambda: 1.0, laps={}), {"timeouts": 0, "errors": 0, "format_errors": 0}
+    metrics = step_metrics(_OneProcess(), completions, scores, scores, info, {}, timer, 4)
+    assert metrics["train/accuracy"] == 1 / 8 and metrics["train/groups_all_wrong"] == 0.5
+    assert metrics["train/reward_mean"] == pytest.approx(scores.mean().item())
 
 
 class _CharTokenizer:
@@ -242,9 +249,17 @@ class _CharTokenizer:
 
 
 class _OneProcess:
+    """What TrainData.train_groups and step_metrics need of an Accelerator, for one process."""
+
     device = torch.device("cpu")
 
     def gather(self, x):
+        return x
+
+    def reduce(self, x, op):
+        return x
+
+    def pad_across_processes(self, x, pad_index=0):
         return x
 
 
