@@ -342,7 +342,7 @@ def test_a_script_trains_and_evaluates_on_a_task_and_refuses_bad_ones_before_wri
     """dapo.py (dynamic sampling, the scores in its filter) on chain_sum for 2 steps with partial credit, evaluated on
     the held-out split; then a bad task and a bad option stop it with one line before anything is written. One
     process (tests/script_runner.py)."""
-    task = {"dataset-name": f"{SMALL},size=64", "partial-credit": "True", "max-prompt-tokens": 160}
+    task = {"dataset-name": f"{SMALL},size=64", "max-prompt-tokens": 160}
     evals = {"eval-every": 2, "eval-datasets": f"{SMALL},size=8", "eval-samples": 2, "eval-max-new-tokens": 3}
     extra = {"max-gen-batches": 2, "num-mini-batches": 1, "exp-name": "gym", **task, **evals}
     bad = [
@@ -350,8 +350,8 @@ def test_a_script_trains_and_evaluates_on_a_task_and_refuses_bad_ones_before_wri
         ("dapo", toy_flags(toy_assets, str(tmp_path / "bad_opt"), 2, **{**extra, "eval-datasets": f"{SMALL},n=1"})),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    proc, outcomes = run_scripts([("dapo", toy_flags(toy_assets, str(tmp_path / "run"), 2, **extra)), *bad],
-                                 str(tmp_path), env)  # fmt: skip
+    flags = [*toy_flags(toy_assets, str(tmp_path / "run"), 2, **extra), "--partial-credit"]
+    _, outcomes = run_scripts([("dapo", flags), *bad], str(tmp_path), env)
     assert outcomes[0] is None, outcomes[0]
     (run_dir,) = glob.glob(str(tmp_path / "run" / "gym__*"))
     rows_logged = read_metrics(run_dir)
@@ -360,6 +360,6 @@ def test_a_script_trains_and_evaluates_on_a_task_and_refuses_bad_ones_before_wri
     assert 0 <= rows_logged[1][key] <= 1 and "train/accuracy" in rows_logged[0]
     with open(os.path.join(run_dir, "args.json")) as f:
         assert json.load(f)["partial_credit"] is True
-    for (_, flags), outcome, message in zip(bad, outcomes[1:], ["no reasoning-gym task 'x'", "no option 'n'"]):
+    for (_, bad_flags), outcome, message in zip(bad, outcomes[1:], ["no reasoning-gym task 'x'", "no option 'n'"]):
         assert message in outcome.strip().splitlines()[-1]
-        assert not os.path.exists(flags[flags.index("--output-dir") + 1])
+        assert not os.path.exists(bad_flags[bad_flags.index("--output-dir") + 1])
