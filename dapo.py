@@ -115,7 +115,7 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 def filter_groups(correct: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dynamic sampling's filter, DAPO eq. 8's 0 < #correct < G. correct: [num_groups * G], groups
     contiguous; returns [num_groups] bool, True for a kept group."""
-    num_correct = (correct.view(-1, group_size) > 0).sum(dim=1)
+    num_correct = (correct.view(-1, group_size) == 1).sum(dim=1)
     return (num_correct > 0) & (num_correct < group_size)
 
 

@@ -94,7 +94,7 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 def pass_rate_bucket(correct: torch.Tensor, args: Args) -> torch.Tensor:
     """Each completion's bucket c = #correct in its group, pass rate mu = c / G (W "Idea"). correct:
     [N], groups contiguous; returns [N] long in 0..G."""
-    return (correct.view(-1, args.group_size) > 0).sum(1).repeat_interleave(args.group_size)
+    return (correct.view(-1, args.group_size) == 1).sum(1).repeat_interleave(args.group_size)
 
 
 def bucket_from_advantages(advantages: torch.Tensor, args: Args) -> torch.Tensor:

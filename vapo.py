@@ -375,7 +375,7 @@ def main(args: Args) -> None:
             trained_rewards, batch["old_values"], batch["mask"], args
         )
         batch["advantages"] = advantages
-        batch["positive"] = (trained_rewards > 0).to(advantages.dtype)  # the LM loss's completions
+        batch["positive"] = (trained_rewards == 1).to(advantages.dtype)  # the LM loss's completions
         value_stats = value_metrics(
             batch["old_values"], batch["returns"], advantages, batch["mask"]
         )

@@ -8,6 +8,8 @@ GRPOTrainer on the same model, data, reward and budget, side by side.
     python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --trl                    # the README's run
     python benchmarks/real_model.py /tmp/smol --scripts grpo,sapo,gmpo,dppo,clip_cov,m2po --settings plain \
         --results real_model_new_losses.md                                                     # the newer losses
+    python benchmarks/real_model.py /tmp/smol --scripts grpo --settings plain --results real_model_gym.md \
+        --task reasoning-gym:chain_sum:... --task reasoning-gym:leg_counting:...              # docs/tasks.md
 
 Every run: the qwen-boxed chat template scored with `--reward-format any` (the model almost never writes a
 \\boxed{} answer, README "A real model on a CPU"), G = --group-size completions of at most --new-tokens tokens for
@@ -18,6 +20,11 @@ sampler (--sampler), then avg@--eval-k on --eval-limit held-out questions at the
 steps, HF generate (TRL's CPU route), its model then evaluated by grpo.py's evaluation. Run directories land in
 OUT/bench/, and a rerun reuses the finished ones (a killed benchmark goes on where it stopped); the table goes
 to benchmarks/results/ (--results, default real_model.md) and the curves to --plot (tools/plot.py).
+
+With --task (repeatable) the data is a reasoning-gym task instead of the word problems (docs/tasks.md): its train
+split (--task-size rows) to train, its held-out split (--eval-limit rows) to evaluate. The table gives every row's
+mean with its 95% interval over seeds and the difference to the untrained model with Welch's interval
+(tools/compare.py's mean_ci and welch).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +42,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))  # tools/compare.py imports its neighbour plot.py
+from compare import fmt, mean_ci, welch  # noqa: E402
+
 # No KL for grpo (as the others). dapo / cispo: at most 2 generation rounds a step, and one update per rollout without
 # warm-up, as grpo: their paper defaults (16 updates per rollout after a 320-step warm-up) do not fit 10 steps; dapo's
 # soft overlong zone is the last 16 of the 64 tokens (its default 4096 would cover every length). dr_grpo keeps its
@@ -55,9 +66,19 @@ PER_SCRIPT["ppo"] = ["--warmup-steps", "0", "--critic-warmup-steps", "0", "--cri
 PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-steps", "2", "--eval-top-p", "1.0"]
 
 
-def common_flags(data: str, a) -> list[str]:
+def sized(task: str, size: int) -> str:
+    """A reasoning-gym name with size=`size` among its options."""
+    return f"{task}{',' if task.count(':') > 1 else ':'}size={size}"
+
+
+def slug(task: str | None) -> str:
+    """The part of run names that tells a task's runs apart ("" for the word problems)."""
+    return "" if task is None else "_" + re.sub(r"[^A-Za-z0-9]+", "_", task.split(":", 1)[1]).strip("_")
+
+
+def common_flags(data: str, a, task: str | None = None) -> list[str]:
     eval_flags = {
-        "eval-datasets": os.path.join(data, "test.jsonl"),
+        "eval-datasets": os.path.join(data, "test.jsonl") if task is None else sized(task, a.eval_limit),
         "eval-prompt-column": "question",
         "eval-answer-column": "answer",
         "eval-limit": a.eval_limit,
@@ -66,7 +87,7 @@ def common_flags(data: str, a) -> list[str]:
         "eval-max-new-tokens": a.new_tokens,
     }
     flags = {
-        "dataset-name": os.path.join(data, "train.jsonl"),
+        "dataset-name": os.path.join(data, "train.jsonl") if task is None else sized(task, a.task_size),
         "prompt-column": "question",
         "answer-column": "answer",
         "prompt-template": "qwen-boxed",
@@ -217,33 +238,40 @@ def main() -> None:
     p.add_argument("--trl-seeds", default=None, help="TRL's seeds (default: --seeds)")
     p.add_argument("--plot", default=None, help="a PNG of the runs' curves (tools/plot.py)")
     p.add_argument("--results", default="real_model.md", help="the table's file in benchmarks/results/")
+    p.add_argument("--task", action="append", help="a reasoning-gym task (reasoning-gym:<task>:<options>) as the data")
+    p.add_argument("--task-size", type=int, default=2000, help="--task: training rows (its train split)")
     a = p.parse_args()
+    if a.trl and a.task:
+        p.error("--trl trains on the word problems only: run it without --task")
     model, seeds = os.path.join(a.data, "model"), [int(s) for s in a.seeds.split(",")]
     out = os.path.join(a.data, "bench")
-    base = common_flags(a.data, a)
     t0, rows, dirs = time.time(), [], []
-    before = []
-    for seed in seeds:  # the untrained model, evaluated as the runs are at their end
-        flags = [*base, "--model-name-or-path", model, "--total-steps", "0", "--eval-every", "1", "--seed", str(seed)]
-        before.append(final_eval(run("grpo", [*flags, "--output-dir", out, "--exp-name", "before"]))[0])
-        print(f"before, seed {seed}: {before[-1]:.3f}", flush=True)
-    rows.append(("untrained", "-", before, []))
-    for script in [x for x in a.scripts.split(",") if x]:
-        for setting in a.settings.split(","):
-            inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
-            # dynamic sampling drops the groups without signal that injection acts on: the scripts that have it
-            # inject without it
-            inj += ["--no-dynamic-sampling"] if inj and script in ("dapo", "cispo") else []
-            accs, secs = [], []
-            for seed in seeds:
-                name = f"{script}_{setting}"
-                flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
-                flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
-                run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
-                acc, s = final_eval(run_dir)
-                accs.append(acc), secs.append(s), dirs.append(run_dir)
-                print(f"{name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-            rows.append((script, setting, accs, secs))
+    for task in a.task or [None]:
+        base, tag, label = common_flags(a.data, a, task), slug(task), task or "word problems"
+        before = []
+        for seed in seeds:  # the untrained model, evaluated as the runs are at their end
+            flags = [*base, "--model-name-or-path", model, "--total-steps", "0", "--eval-every", "1"]
+            run_dir = run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", f"before{tag}"])
+            before.append(final_eval(run_dir)[0])
+            print(f"{label}: before, seed {seed}: {before[-1]:.3f}", flush=True)
+        rows.append((label, "untrained", "-", before, [], before))
+        for script in [x for x in a.scripts.split(",") if x]:
+            for setting in a.settings.split(","):
+                inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
+                inj = inj[:1] if inj and task else inj  # a task has no worked solutions: the bare answer
+                # dynamic sampling drops the groups without signal that injection acts on: the scripts that have it
+                # inject without it
+                inj += ["--no-dynamic-sampling"] if inj and script in ("dapo", "cispo") else []
+                accs, secs = [], []
+                for seed in seeds:
+                    name = f"{script}_{setting}{tag}"
+                    flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
+                    flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
+                    run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
+                    acc, s = final_eval(run_dir)
+                    accs.append(acc), secs.append(s), dirs.append(run_dir)
+                    print(f"{label}: {name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
+                rows.append((label, script, setting, accs, secs, before))
     if a.trl:
         accs, secs = [], []
         for seed in [int(x) for x in (a.trl_seeds or a.seeds).split(",")]:
@@ -259,23 +287,27 @@ def main() -> None:
             acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
             accs.append(acc), secs.append(s)
             print(f"trl, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-        rows.append(("TRL GRPOTrainer", "plain", accs, secs))
+        rows.append(("word problems", "TRL GRPOTrainer", "plain", accs, secs, rows[0][3]))
     import torch
 
     head = (
         f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU threads, torch {torch.__version__}; SmolLM2-135M-Instruct "
         f"(Q4_1 GGUF, dequantised), {a.prompts} prompts x G={a.group_size}, {a.new_tokens} new tokens, "
         f"T={a.temperature}, lr {a.lr}, {a.steps} steps, sampler {a.sampler}; "
-        f"eval avg@{a.eval_k} on {a.eval_limit} held-out questions; "
+        f"eval avg@{a.eval_k} on {a.eval_limit} held-out questions; template qwen-boxed, reward format any; "
         f"seeds {a.seeds}; the scripts' runs took {sum(map(wall_minutes, dirs)):.0f} min, this invocation "
         f"{(time.time() - t0) / 60:.0f} min (finished runs are reused)"
     )
-    lines = [head, "", "| script | setting | eval accuracy: mean (min-max over seeds) | per seed | s/step |"]
-    lines.append("|---|---|---|---|---|")
-    for script, setting, accs, secs in rows:
+    lines = [head, "", "| data | script | setting | eval accuracy: mean (min-max over seeds) | mean ± 95% interval |"]
+    lines[-1] += " per seed | − untrained (Welch) | s/step |"
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for label, script, setting, accs, secs, before in rows:
         per = ", ".join(f"{x:.3f}" for x in accs)
         sec = f"{statistics.median(secs):.1f}" if secs else "-"
-        lines.append(f"| {script} | {setting} | {spread(accs)} | {per} | {sec} |")
+        diff = fmt(*welch(accs, before)[:2], signed=True) if script != "untrained" and len(accs) > 1 else "-"
+        lines.append(
+            f"| {label} | {script} | {setting} | {spread(accs)} | {fmt(*mean_ci(accs))} | {per} | {diff} | {sec} |"
+        )
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", a.results), "w") as f:

@@ -49,7 +49,8 @@ class SharedArgs:
     model_name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
     """Hugging Face hub id or local directory of the policy (and of a KL term's frozen reference)"""
     dataset_name: str = "DigitalLearningGmbH/MATH-lighteval"
-    """hub id, or a local .jsonl / .json / .parquet file"""
+    """hub id, a local .jsonl / .json / .parquet file, or reasoning-gym:<task>[:option=value,...]
+    (a procedural task, generated offline: docs/tasks.md)"""
     dataset_config: str | None = None
     """dataset configuration name on the hub (e.g. 'en'), if it has several"""
     dataset_split: str = "train"
@@ -68,6 +69,9 @@ class SharedArgs:
     """prompts longer than this are dropped at load time (and counted)"""
     max_bad_answer_frac: float = 0.1
     """refuse a dataset with more than this fraction of unparseable answers (fewer: dropped)"""
+    partial_credit: bool = False
+    """reasoning-gym tasks: the reward is the task's score in [0, 1], partial credit included (default: 1
+    for a score of 1, else 0); accuracy, dynamic sampling and the data strategies still count a score of 1"""
 
     # Sampling
     sampler: Literal["auto", "vllm", "hf"] = "auto"
@@ -222,7 +226,8 @@ class SharedArgs:
     eval_every: int = 0
     """evaluate every this many steps and at the end (0 disables evaluation)"""
     eval_datasets: list[str] = field(default_factory=lambda: ["HuggingFaceH4/MATH-500"])
-    """hub ids (split 'test'), local files or champ (docs/evaluation.md) to evaluate on"""
+    """hub ids (split 'test'), local files, champ (docs/evaluation.md) or
+    reasoning-gym:<task>[:option=value,...] (its held-out split) to evaluate on"""
     eval_prompt_column: str = "problem"
     """question column of the evaluation datasets"""
     eval_answer_column: str = "answer"

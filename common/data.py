@@ -40,6 +40,7 @@ from common.env import EVAL_TASKS, Env, GymEnv, failed_turn, open_env
 from common.evaluation import champ_rows, check_samples
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
 from common.tool import Tool, ToolConfig, splice_text
+from common.tasks import is_task_name, load_task_rows, parse_task_name, with_partial_credit
 
 # Prompt templates
 SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -120,7 +121,10 @@ def chat_template_note(template: str, tokenizer, model: str) -> str | None:
 
 
 def load_rows(name: str, config: str | None, split: str, prompt_column: str, answer_column: str, flag: str):
-    """Questions and answers from a hub dataset or a local .jsonl/.json/.parquet file."""
+    """Questions and answers from a hub dataset, a local .jsonl/.json/.parquet file, or a reasoning-gym task
+    (`reasoning-gym:<task>[:option=value,...]`, generated: common/tasks.py; config and columns unused)."""
+    if is_task_name(name):
+        return load_task_rows(name, split, flag)
     import datasets
 
     datasets.logging.set_verbosity_error()
@@ -296,6 +300,7 @@ class TrainData:
         )
         all_rows = accelerator.gather(torch.tensor(rows, device=accelerator.device)).tolist()
         all_correct = accelerator.gather(torch.tensor(correct, device=accelerator.device)).tolist()
+        all_correct = [float(c == 1.0) for c in all_correct]  # a pass is a score of 1 (--partial-credit: below too)
         self.tracker.update(all_rows, all_correct, self.args.group_size, self.args.tracker_half_life)
         return groups
 
@@ -405,6 +410,16 @@ def check_data_args(args: SharedArgs) -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be in [0, 1], got {getattr(args, flag)}")
     if args.tracker_half_life < 0:
         raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
+    task = is_task_name(args.dataset_name) and args.total_steps > 0
+    if task:  # a bad task name or option: one line before the model loads (common/tasks.py)
+        parse_task_name(args.dataset_name, "--dataset-name")
+    for name in args.eval_datasets if args.eval_every > 0 else []:
+        if is_task_name(name):
+            parse_task_name(name, "--eval-datasets")
+    if args.partial_credit and not task:
+        raise SystemExit("--partial-credit: only a reasoning-gym --dataset-name has partial credit (docs/tasks.md)")
+    if task and args.solution_column:
+        raise SystemExit("--solution-column: reasoning-gym tasks have no worked solutions; drop it (docs/tasks.md)")
 
 
 def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
@@ -422,6 +437,8 @@ def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None,
     if args.total_steps > 0:
         dataset = (args.dataset_name, args.dataset_config, args.dataset_split)
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
+        if args.partial_credit:  # the task's own score as the reward; "correct" stays a score of 1
+            answers = with_partial_credit(answers)
         prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log)
         train = TrainData(args, prompts, golds, tokenizer, env=env)  # with the tool: demonstrations' programs run
         if args.gt_injection and args.solution_column:  # worked solutions, matched to the kept rows by their prompt

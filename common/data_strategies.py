@@ -163,8 +163,9 @@ class RewardInputs(NamedTuple):
 
 @dataclass
 class TrainGroups:
-    """What the step trains on: one prompt per group, completions and 0/1 correctness (groups contiguous), the
-    stored old log-probs of replayed rows, and how the groups came about."""
+    """What the step trains on: one prompt per group, completions and their scores (groups contiguous; 1 is correct,
+    a score below 1 other than 0 comes with --partial-credit), the stored old log-probs of replayed rows, and how the
+    groups came about."""
 
     prompts: list[list[int]]
     completions: list[Completion]
@@ -216,7 +217,7 @@ def inject_and_replay(
     max_injected = math.floor(args.gt_injection_max_frac * len(keep) + 1e-9) if args.gt_injection else 0
     for k, row in enumerate(out.rows):
         group = out.correct[k * g : (k + 1) * g]
-        d = demo(row) if args.gt_injection and max(group) == 0 and sum(out.injected) < max_injected else None
+        d = demo(row) if args.gt_injection and max(group) < 1 and sum(out.injected) < max_injected else None
         if d is not None:
             out.completions[(k + 1) * g - 1], out.correct[(k + 1) * g - 1] = d.completion, 1.0
             out.injected[k] = True
@@ -254,7 +255,7 @@ def update_replay(
     for k, prompt in enumerate(groups.prompts):
         c = groups.correct[k * g : (k + 1) * g]
         hard, easy = groups.pass_rate[k] < REPLAY_HARD, groups.pass_rate[k] > REPLAY_EASY
-        if groups.fresh[k] and 0 < sum(c) < g and (hard or easy or groups.injected[k]):
+        if groups.fresh[k] and 0 < sum(x == 1 for x in c) < g and (hard or easy or groups.injected[k]):
             comps = groups.completions[k * g : (k + 1) * g]
             logps = old[k * g : (k + 1) * g].tolist()
             stored = {

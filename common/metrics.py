@@ -254,7 +254,7 @@ def step_metrics(accelerator, completions, correct, rewards, reward_info, stats,
     samples (before injection or replay) and their verdicts; reward_info: common.reward.score's counts; stats: the
     update's sums (update_policy: means over the rollout, EXTREMES as extremes) and values that are the same on every
     rank (floats); timer: the step's phases."""
-    device = correct.device
+    device, correct = correct.device, (correct == 1).float()  # a score of 1 (--partial-credit: rewards only)
     lengths = torch.tensor([c.model_tokens() for c in completions], device=device)  # the tool's tokens aside
     truncated = torch.tensor([c.truncated for c in completions], device=device)
     all_lengths = gather(accelerator, lengths)

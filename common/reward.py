@@ -6,12 +6,16 @@ started as `python -c` on this file (not forks of the trainer: no torch, CUDA or
 and CPU time and a SIGALRM per item; a worker silent past its timeout (stuck in C code) is killed and replaced, and
 only the item it was on scores 0, as a timeout. Integer answers are compared here, without a worker: math-verify's
 verdict on two integers is their equality. docs/benchmarks.md "Reward scoring" has the rest.
+
+A reasoning-gym row's gold (`task_gold`, common/tasks.py) names its task instead: the answer read in the same format
+goes to the task's own `score_answer` in the same workers, under the same timeouts and accounting (docs/tasks.md).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import json
 import logging
 import math
 import os
@@ -48,6 +52,8 @@ _SCI = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+) ?[eE] ?([+-]?\d+)(?![\w.])
 _INTEGER = re.compile(r"-?\d{1,30}")  # decided without math-verify (see the module docstring)
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: not valid unicode text
 _WRAPPERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+TASK_PREFIX = "reasoning-gym:"  # a dataset name of common/tasks.py
+_TASK_GOLD = '{"reasoning-gym": '  # how a task_gold string starts
 ANSWER_FORMATS = ("any", "boxed", "answer-line", "answer-line-strict", "answer-tag")
 TEMPLATE_ANSWER_FORMATS = {
     "none": "any",
@@ -171,8 +177,47 @@ def extract_final_answer(text: str, answer_format: str = "any") -> str | None:
 
 @functools.lru_cache(maxsize=1 << 16)
 def gold_text(answer: str) -> str:
-    """The gold answer as a bare string: the last boxed content of a full solution, else the string."""
+    """The gold answer as a bare string: the last boxed content of a full solution, else the string (a task gold's:
+    its entry's answer, "" when the task has none)."""
+    if is_task_gold(answer):
+        return str(parse_task_gold(answer)["answer"] or "")
     return (_last_boxed(answer) if "\\boxed" in answer or "\\fbox" in answer else None) or _unwrap(answer)
+
+
+def task_gold(task: str, config: dict[str, Any], index: int, answer: str | None) -> str:
+    """A reasoning-gym row's gold: its task, the generator's config and the item's index (which identify the entry
+    `score_answer` reads), and its answer (for --gt-injection's demonstrations), as JSON."""
+    return json.dumps({"reasoning-gym": task, "index": index, "answer": answer, "config": config})
+
+
+def is_task_gold(gold: Any) -> bool:
+    return isinstance(gold, str) and gold.startswith(_TASK_GOLD)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def parse_task_gold(gold: str) -> dict[str, Any]:
+    """A task gold's fields (shared: do not modify)."""
+    return json.loads(gold)
+
+
+@functools.lru_cache(maxsize=16)
+def task_dataset(task: str, config: str):
+    """reasoning-gym's dataset object of `task` with `config` (sorted JSON of its config's fields): it generates the
+    rows (common/tasks.py) and holds the task's `score_answer`."""
+    from reasoning_gym.factory import DATASETS
+
+    dataset_cls, config_cls = DATASETS[task]
+    return dataset_cls(config=config_cls(**json.loads(config)))
+
+
+def _task_verify(pred: str, payload: tuple) -> tuple[float, str]:
+    """The task's own score of an extracted answer: 1.0 for a score of 1 and 0.0 below it, or with partial credit
+    (--partial-credit) the score itself; a score outside [0, 1] is an error."""
+    task, config, entry, partial = payload
+    value = float(task_dataset(task, config).score_answer(pred, entry))
+    if not 0.0 <= value <= 1.0:
+        return 0.0, "error"
+    return (value if partial else float(value == 1.0)), "ok"
 
 
 # math-verify, in the workers
@@ -211,7 +256,9 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _ItemTimeout
 
 
-def _verify(pred: str | None, gold: str) -> tuple[float, str]:
+def _verify(pred: str | None, gold: str | tuple) -> tuple[float, str]:
+    if isinstance(gold, tuple):  # a reasoning-gym task's (common.tasks.task_payload)
+        return _task_verify(pred, gold)
     from math_verify import verify
 
     g = parse_gold(gold)
@@ -258,6 +305,8 @@ def _worker_main() -> None:
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
     _set_limit(resource.RLIMIT_AS, MEMORY_LIMIT_BYTES)
+    if "reasoning-gym" in sys.argv[1:]:  # imported before any item's timer starts (seconds on a busy machine)
+        import reasoning_gym  # noqa: F401
     _score_item("1", "1", 60.0)  # warm up imports and parser caches
     _send(out, "ready")
     while header := inp.read(4):
@@ -272,9 +321,9 @@ def _worker_main() -> None:
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, tasks: bool = False) -> None:
         boot = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__reward_worker__')"
-        cmd = [sys.executable, "-c", boot, os.path.abspath(__file__)]
+        cmd = [sys.executable, "-c", boot, os.path.abspath(__file__)] + (["reasoning-gym"] if tasks else [])
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         self.buf, self.ready, self.items, self.since = b"", False, [], time.monotonic()
 
@@ -301,8 +350,8 @@ class _Worker:
 
 
 class _Pool:
-    def __init__(self, n: int) -> None:
-        self.pid, self.workers = os.getpid(), [_Worker() for _ in range(n)]
+    def __init__(self, n: int, tasks: bool = False) -> None:
+        self.pid, self.tasks, self.workers = os.getpid(), tasks, [_Worker(tasks) for _ in range(n)]
 
     def _replace(self, w: _Worker, queue: deque, results: dict, status: str | None) -> None:
         if status is not None and w.items:  # charge the item it was on; the rest of the chunk goes back
@@ -310,7 +359,7 @@ class _Pool:
         if w.items:
             queue.appendleft(w.items)
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker()
+        self.workers[self.workers.index(w)] = _Worker(self.tasks)
 
     def run(self, tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
         chunk = max(1, min(_CHUNK, math.ceil(len(tasks) / (2 * len(self.workers)))))
@@ -392,11 +441,13 @@ def _run_here(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dic
         log.setLevel(level)
 
 
-def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int, tuple[float, str]]:
+def _run(tasks: list[tuple[int, str | None, Any]], timeout_s: float) -> dict[int, tuple[float, str]]:
     global _POOL
     workers = default_workers() if NUM_WORKERS < 0 else NUM_WORKERS
     results: dict[int, tuple[float, str]] = {}
     for i, pred, gold in tasks:  # two integers: math-verify's verdict is integer equality (a gold alone parses)
+        if isinstance(gold, tuple):  # a task's: its own scorer decides, in a worker
+            continue
         if _INTEGER.fullmatch(pred or "0") and _INTEGER.fullmatch(gold_str := gold_text(gold)):
             results[i] = (float(pred is None or int(pred) == int(gold_str)), "ok")
     tasks = [t for t in tasks if t[0] not in results]
@@ -406,12 +457,15 @@ def _run(tasks: list[tuple[int, str | None, str]], timeout_s: float) -> dict[int
     if not tasks:
         return results
     with _LOCK:
-        if _POOL is not None and (_POOL.pid != os.getpid() or len(_POOL.workers) != max(1, workers)):
+        need_tasks = any(isinstance(t[2], tuple) for t in tasks)  # workers that import reasoning-gym at start
+        if _POOL is not None and (
+            _POOL.pid != os.getpid() or len(_POOL.workers) != max(1, workers) or need_tasks > _POOL.tasks
+        ):
             if _POOL.pid == os.getpid():  # resized: a forked child must not touch its parent's workers
                 _POOL.close()
             _POOL = None
         if _POOL is None:  # a forked child must not share its parent's pipes
-            _POOL = _Pool(max(1, workers))
+            _POOL = _Pool(max(1, workers), need_tasks)
         try:
             return {**results, **_POOL.run(tasks, timeout_s)}
         except BaseException:  # e.g. Ctrl-C mid-batch: late answers must not leak into the next call
@@ -435,6 +489,9 @@ def score(
     ran past `timeout_s` seconds; errors are exceptions, dead workers, answers too long or not valid unicode, and
     unparseable gold; no_answer is a completion with no final answer (or one math-verify extracts nothing from);
     format_errors, a subset of no_answer, is a completion with no answer in `answer_format` (see extract_final_answer).
+    A reasoning-gym gold (`task_gold`) is scored by its task's `score_answer` (docs/tasks.md): its answer may be
+    longer (twice the gold's), answer-line-strict reads the answer line without math_dapo's normalisation, and an
+    answer the task's scorer would run as code is an error (common.tasks.unsafe_answer).
     """
     if len(completions) != len(answers):
         raise ValueError(f"score: {len(completions)} completions but {len(answers)} answers")
@@ -442,14 +499,25 @@ def score(
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
     scores, counts = ([0.0] * len(completions), {"timeouts": 0, "errors": 0, "no_answer": 0, "format_errors": 0})
     key = {"timeout": "timeouts", "error": "errors", "no_answer": "no_answer"}
-    tasks: list[tuple[int, str | None, str]] = []
+    tasks: list[tuple[int, str | None, Any]] = []
     for i, (completion, gold) in enumerate(zip(completions, answers)):
-        ans = _extract(completion, MAX_ANSWER_CHARS, answer_format)
+        task = is_task_gold(gold)
+        fmt = "answer-line" if task and answer_format == "answer-line-strict" else answer_format
+        limit = max(MAX_ANSWER_CHARS, 2 * len(gold_text(gold))) if task else MAX_ANSWER_CHARS
+        ans = _extract(completion, limit, fmt)
         if ans is None:
             counts["no_answer"] += 1
             counts["format_errors"] += 1
-        elif len(ans) > MAX_ANSWER_CHARS or _SURROGATE.search(ans):
+        elif len(ans) > limit or _SURROGATE.search(ans):
             counts["errors"] += 1
+        elif task:
+            from common.tasks import task_payload, unsafe_answer
+
+            payload = task_payload(gold)
+            if unsafe_answer(payload[0], ans):
+                counts["errors"] += 1
+            else:
+                tasks.append((i, ans, payload))
         elif answer_format == "answer-line-strict":  # math_dapo: normalised strings, equal or not
             scores[i] = float(ans == dapo_normalize(gold_text(str(gold))))
         elif ans == gold_text(str(gold)):
@@ -472,9 +540,9 @@ def math_reward(completions: list[str], answers: list[str], answer_format: str =
 def find_unparseable_gold(answers: list[str], timeout_s: float = 5.0) -> list[int]:
     """Indices of gold answers math-verify cannot parse (report them at dataset load time)."""
     golds = [str(a) for a in answers]
-    unique = {g: k for k, g in enumerate(golds) if g.strip()}
+    unique = {g: k for k, g in enumerate(golds) if g.strip() and not is_task_gold(g)}
     results = _run([(k, None, g) for g, k in unique.items()], timeout_s)
-    ok = {golds[k] for k, (value, _) in results.items() if value == 1.0}
+    ok = {golds[k] for k, (value, _) in results.items() if value == 1.0} | {g for g in golds if is_task_gold(g)}
     return [i for i, g in enumerate(golds) if g not in ok]
 
 
