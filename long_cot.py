@@ -186,22 +186,22 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (advantages - mean) * var.clamp(min=1e-8).rsqrt() * m
 
 
-def compute_advantages(rewards, penalty, values, mask, args: Args, kl=None):
+def compute_advantages(rewards, values, mask, args: Args, penalty=None, kl=None):
     """The outcome reward on the last token, the dense penalty on its tokens, -beta KL on every
     token; one stream (no penalty): ppo.py's GAE with --gamma and --lam; two: each stream's returns
     with its own discount and half the KL (experience_maker.py's multiple gammas, lambda 1), A = R -
-    V; whitened. rewards: [N]; penalty, values, mask, kl (log pi_old - log pi_ref, or None): [N, T].
-    Returns (advantages, the critic's targets R_t), [N, T] each."""
+    V; whitened. rewards: [N]; values, mask, penalty (None: 0), kl (log pi_old - log pi_ref, None:
+    no KL): [N, T]. Returns (advantages, the critic's targets R_t), [N, T] each."""
     outcome = outcome_token_rewards(rewards, mask)
     kl_reward = 0.0 if kl is None else -args.beta * kl * mask
     if args.repetition_penalty == 0:
         advantages, returns = compute_gae(outcome + kl_reward, values, mask, args.gamma, args.lam)
         return whiten(advantages, mask), returns
     zeros = torch.zeros_like(values)  # GAE on V = 0 with lambda 1: the discounted returns
-    outcome_returns = compute_gae(outcome + kl_reward / 2, zeros, mask, args.gamma, 1.0)[1]
-    penalty_returns = compute_gae(penalty + kl_reward / 2, zeros, mask, args.repetition_gamma, 1.0)[
-        1
-    ]
+    penalty = zeros if penalty is None else penalty
+    _, outcome_returns = compute_gae(outcome + kl_reward / 2, zeros, mask, args.gamma, 1.0)
+    gamma = args.repetition_gamma
+    _, penalty_returns = compute_gae(penalty + kl_reward / 2, zeros, mask, gamma, 1.0)
     returns = outcome_returns + penalty_returns
     return whiten(returns - values, mask), returns
 
@@ -446,7 +446,7 @@ def main(args: Args) -> None:
         )
         kl = batch["old_logps"] - batch["ref_logps"] if ref_policy is not None else None
         advantages, batch["returns"] = compute_advantages(
-            trained_rewards, penalty, batch["old_values"], batch["mask"], args, kl
+            trained_rewards, batch["old_values"], batch["mask"], args, penalty, kl
         )
         batch["advantages"] = advantages
         value_stats = value_metrics(

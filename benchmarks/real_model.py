@@ -53,6 +53,11 @@ PER_SCRIPT.update({"reinforce_pp": NEWER, "rloo": ["--warmup-steps", "0"]})
 # no step for the policy): the 10 steps include them.
 PER_SCRIPT["ppo"] = ["--warmup-steps", "0", "--critic-warmup-steps", "0", "--critic-num-mini-batches", "2"]
 PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-steps", "2", "--eval-top-p", "1.0"]
+# kimi_k15.py: the length penalty from the first step (its 50-step warm-up would cover the run), one update per rollout
+# as grpo.py. long_cot.py as ppo.py here (no critic warm-up, 2 critic steps) with 2 policy updates per rollout in one
+# epoch instead of the paper's 16 x 2; its KL in the reward, its 16-token margin (at 64 new tokens: L >= 48 gets -10).
+PER_SCRIPT["kimi_k15"] = ["--length-penalty-warmup-steps", "0"]
+PER_SCRIPT["long_cot"] = [*NEWER, "--ppo-epochs", "1", "--critic-num-mini-batches", "2"]
 
 
 def common_flags(data: str, a) -> list[str]:
@@ -194,6 +199,14 @@ def trl_run(model: str, data: str, seed: int, out: str, a) -> tuple[str, float]:
     return out, statistics.median(times)
 
 
+def train_lengths(run_dir: str, last: int = 3) -> tuple[float, float]:
+    """Tokens per completion the policy sampled: at the first step (the untrained model), and over the last `last`
+    steps (train/response_length_mean)."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    lengths = [r["train/response_length_mean"] for r in rows if "train/response_length_mean" in r]
+    return lengths[0], statistics.mean(lengths[-last:])
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
 
@@ -227,23 +240,23 @@ def main() -> None:
         flags = [*base, "--model-name-or-path", model, "--total-steps", "0", "--eval-every", "1", "--seed", str(seed)]
         before.append(final_eval(run("grpo", [*flags, "--output-dir", out, "--exp-name", "before"]))[0])
         print(f"before, seed {seed}: {before[-1]:.3f}", flush=True)
-    rows.append(("untrained", "-", before, []))
+    rows.append(("untrained", "-", before, [], []))
     for script in [x for x in a.scripts.split(",") if x]:
         for setting in a.settings.split(","):
             inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
             # dynamic sampling drops the groups without signal that injection acts on: the scripts that have it
             # inject without it
             inj += ["--no-dynamic-sampling"] if inj and script in ("dapo", "cispo") else []
-            accs, secs = [], []
+            accs, secs, lens = [], [], []
             for seed in seeds:
                 name = f"{script}_{setting}"
                 flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
                 flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
                 run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
                 acc, s = final_eval(run_dir)
-                accs.append(acc), secs.append(s), dirs.append(run_dir)
+                accs.append(acc), secs.append(s), dirs.append(run_dir), lens.append(train_lengths(run_dir))
                 print(f"{name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-            rows.append((script, setting, accs, secs))
+            rows.append((script, setting, accs, secs, lens))
     if a.trl:
         accs, secs = [], []
         for seed in [int(x) for x in (a.trl_seeds or a.seeds).split(",")]:
@@ -259,7 +272,7 @@ def main() -> None:
             acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
             accs.append(acc), secs.append(s)
             print(f"trl, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-        rows.append(("TRL GRPOTrainer", "plain", accs, secs))
+        rows.append(("TRL GRPOTrainer", "plain", accs, secs, []))
     import torch
 
     head = (
@@ -271,11 +284,13 @@ def main() -> None:
         f"{(time.time() - t0) / 60:.0f} min (finished runs are reused)"
     )
     lines = [head, "", "| script | setting | eval accuracy: mean (min-max over seeds) | per seed | s/step |"]
-    lines.append("|---|---|---|---|---|")
-    for script, setting, accs, secs in rows:
+    lines[-1] += " train tokens per completion: step 1 -> last 3 steps, per seed |"
+    lines.append("|---|---|---|---|---|---|")
+    for script, setting, accs, secs, lens in rows:
         per = ", ".join(f"{x:.3f}" for x in accs)
         sec = f"{statistics.median(secs):.1f}" if secs else "-"
-        lines.append(f"| {script} | {setting} | {spread(accs)} | {per} | {sec} |")
+        tokens = ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in lens) or "-"
+        lines.append(f"| {script} | {setting} | {spread(accs)} | {per} | {sec} | {tokens} |")
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", a.results), "w") as f:
