@@ -1,31 +1,23 @@
 # docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
 """Kimi k1.5: online policy mirror descent with a length penalty.
 
-Paper: Kimi Team 2025, https://arxiv.org/abs/2501.12599, §2.3.2 (policy optimisation), §2.3.3
-(length penalty), §2.3.4 (sampling). No official code.
+Paper: Kimi Team 2025, https://arxiv.org/abs/2501.12599, §2.3.2-2.3.4. No official code.
 
-What this algorithm changes vs GRPO: iteration i maximises E[r] - tau KL(pi || pi_i) around the
-policy pi_i that sampled (pi_old; eq. 2), whose solution satisfies r - tau log Z = tau log(pi* /
-pi_i). The loss is that identity's squared residual over the k samples of a problem, tau log Z
-estimated by their mean reward r_bar; no clip, no value network, no reference model:
+What this algorithm changes vs GRPO: each iteration solves max E[r] - tau KL(pi || pi_old) (eq. 2)
+by the squared residual of its closed form, tau log Z estimated by the k samples' mean reward r_bar;
+no clip, value network or reference model. Divided by 2 tau, its gradient is minus eq. 3's:
 
-    L = 1/N sum_j (r_j - r_bar - tau log(pi(y_j|x) / pi_i(y_j|x)))^2 / (2 tau)
-    -grad L = 1/k sum_j [grad log pi(y_j|x) (r_j - r_bar) - tau/2 grad log(pi/pi_i)^2]   (eq. 3)
+    L = 1/N sum_j (r_j - r_bar - tau log(pi(y_j|x) / pi_old(y_j|x)))^2 / (2 tau)
 
-(§2.3.2's surrogate over 2 tau, so that its gradient is eq. 3's; log pi(y|x) sums the tokens). The
-reward is 0/1 plus a weighted length reward over the k samples of the same problem (§2.3.3, tokens):
+The reward is 0/1 plus a weighted length reward (§2.3.3), over the same problem's k samples:
 
     lambda_j = 0.5 - (len_j - min_len) / (max_len - min_len)   (0 for all if max_len = min_len)
     len_reward_j = lambda_j if correct, min(0, lambda_j) if wrong
 
-off for the first --length-penalty-warmup-steps steps, then constant. The optimizer's state is reset
-at every iteration (§2.3.2). §2.3.4's sampling is the shared --prompt-sampling prioritized (in
-proportion to 1 - s_i) or hard-after-warmup (Fig. 9), off by default as in every script.
-
-Not reported, ours: tau = 1 (the large-tau regime in which §2.3.2 justifies r_bar), weight 1 (a
-correct answer still outranks every wrong one of its group), a 50-step warm-up, grpo.py's model,
-data, k and batch. With --rollout-correction each token's log-ratio keeps its value and carries
-its weight w_t in the gradient: the first update's is -(r_j - r_bar) w_t grad log pi_t / N.
+off for --length-penalty-warmup-steps steps, then constant. The optimizer is reset every iteration
+(§2.3.2). §2.3.4's sampling is the shared --prompt-sampling prioritized / hard-after-warmup.
+Ours (not reported): tau, the weight, the warm-up; grpo.py's model, data, k and batch. With
+--rollout-correction token t's log-ratio carries its weight w_t in the gradient, not in its value.
 
     accelerate launch kimi_k15.py                                  # the paper setting, on GPUs
     python kimi_k15.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run

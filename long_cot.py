@@ -3,33 +3,25 @@
 
 Paper: Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in LLMs",
 https://arxiv.org/abs/2502.03373, §4. Code: eddycmu/demystify-long-cot@e90cf9b, an OpenRLHF fork
-(openrlhf/reward/cosine.py, repetition.py, common.py; trainer/ppo_utils/experience_maker.py; the
-values of scripts/section_4__*/section_4.2__*_cosine_repetition_penalty.sh).
+(openrlhf/reward/, trainer/ppo_utils/experience_maker.py, the §4.2 script with the repetition penalty).
 
-Built on ppo.py: the paper trains with PPO (a critic, GAE with lambda = 1), and the dense penalty
-is a reward on each repeated token with its own discount, which per-token rewards and returns hold
-and a group baseline (one number per completion) cannot. The reward of a completion of L tokens,
-L_max = --max-new-tokens, (r_0, r_L) = (2, 1) if correct and (-10, 0) if wrong:
+Built on ppo.py: the paper trains with PPO (a critic, GAE with lambda = 1), and the dense penalty is
+a reward on single tokens with its own discount, which per-token returns hold and a group baseline
+cannot. A completion of L tokens, L_max = --max-new-tokens, (r_0, r_L) = (2, 1) if correct, (-10, 0)
+if wrong, gets (the code swaps min and max for the wrong branch: the same formula)
 
-    r = r_L + (r_0 - r_L) (1 + cos(pi L / L_max)) / 2,   r = r_e = -10 if L + 16 >= L_max
+    r = r_L + (r_0 - r_L) (1 + cos(pi L / L_max)) / 2,   r_e = -10 if L + 16 >= L_max
 
-(the code's CosineScaledSparseReward: it swaps min and max for the wrong branch, which is this
-formula, and exceeds at a 16-token margin where the paper says L = L_max). The dense penalty p_t is
--0.05 on every token of a token 40-gram seen earlier in the completion (RepetitionDensePenalty). A
-k1 KL to the initial policy, beta = 0.01, is in every token's reward, half in each stream (the
-code's compute_reward). Each stream has its own discount and, lambda being 1, A = R - V:
+(the code's 16-token margin; the paper: L = L_max). The dense penalty p_t is -0.05 on each token of
+a token 40-gram seen earlier in the completion. The k1 KL to the initial policy (beta = 0.01) is in
+every token's reward, half in each stream; each stream has its own discount and, lambda being 1:
 
     R_t = sum_{u>=t} 1^(u-t) (r [u = last] - beta/2 KL_u) + 0.99^(u-t) (p_u - beta/2 KL_u)
     A_t = R_t - V(s_t), whitened over the rollout's tokens (all ranks), as ppo.py
 
-Without the penalty (--repetition-penalty 0) it is ppo.py's GAE on one stream. The policy loss is
-PPO's clip with a per-sequence token mean (OpenRLHF's masked_mean(dim=-1).mean()).
-
-Defaults: the §4.2 script above (the docs list each; OpenRLHF's clip 0.2, value clip 0.2). Ours:
-grpo.py's model and data (the paper's long-CoT SFT checkpoints are not public); constant learning
-rates (OpenRLHF: cosine after a 3% warm-up); the value loss is ppo.py's token mean (OpenRLHF's
-per-sequence mean) and the critic's head starts at zero (common/critic.py). Not from the paper:
---rollout-correction weighs the policy term (on with vLLM).
+Without the penalty it is ppo.py's GAE on one stream. The policy loss is PPO's clip, a per-sequence
+token mean (the fork's). Ours: grpo.py's model and data, constant learning rates, ppo.py's critic
+(docs/algorithms.md). Not from the paper: --rollout-correction (on with vLLM).
 
     accelerate launch long_cot.py                                  # the paper setting, on GPUs
     python long_cot.py --model-name-or-path /tmp/toy/model ...     # README "Quickstart": a CPU run

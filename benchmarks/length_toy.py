@@ -119,8 +119,8 @@ def main() -> None:
                 continue
             cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), *flags, *extra, "--exp-name", name]
             proc = subprocess.run([*cmd, "--seed", str(seed)], env=env, capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(f"{name} seed {seed} failed:\n{proc.stderr[-3000:]}")
+            if proc.returncode or not finished(runs, name, seed):
+                raise SystemExit(f"{name} seed {seed} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             print(f"{name}, seed {seed}: done", flush=True)
     keys = ["train/accuracy", "train/response_length_mean", "train/response_length_correct"]
     cmd = [sys.executable, os.path.join(ROOT, "tools", "compare.py"), *sorted(glob.glob(os.path.join(runs, "*")))]
