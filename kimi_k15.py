@@ -191,6 +191,8 @@ def main(args: Args) -> None:
     args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
+    if args.tau <= 0 or args.length_penalty_weight < 0:  # ALGO LOGIC: eq. 2's tau > 0
+        raise SystemExit("need --tau > 0 and --length-penalty-weight >= 0")
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
     run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)

@@ -338,6 +338,18 @@ def test_side_by_side_with_openkimis_pmd_loss():
     assert abs(per_length.item() * t - ours.item()) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "kw,flag", [({"tau": 0.0}, "--tau"), ({"length_penalty_weight": -1.0}, "--length-penalty-weight")]
+)
+def test_bad_flags_are_one_line_and_write_nothing(kw, flag, toy_assets, tmp_path):
+    args = kimi_k15.Args(model_name_or_path=toy_assets["model"], output_dir=str(tmp_path / "out"), **kw)
+    with pytest.raises(SystemExit) as e:
+        kimi_k15.main(args)
+    msg = e.value.code
+    assert isinstance(msg, str) and "\n" not in msg and flag in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
 def test_defaults():
     a = kimi_k15.Args()
     assert (a.tau, a.length_penalty_weight, a.length_penalty_warmup_steps, a.reset_optimizer) == (1.0, 1.0, 50, True)

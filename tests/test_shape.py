@@ -37,7 +37,7 @@ MAX_DIFF = {
     "rloo": 153,
     "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
     "vapo": 334,
-    "kimi_k15": 149,  # the squared loss, the length reward, the optimizer reset; no reference model
+    "kimi_k15": 151,  # the squared loss, the length reward, the optimizer reset; no reference model
     "long_cot": 347,  # ppo.py's critic, the cosine reward, the dense penalty's stream, the KL in the reward
 }
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
