@@ -12,7 +12,8 @@ the quickstart's flags with --max-new-tokens --max-filler + 8 for --steps steps:
 
 - grpo.py --beta 0 (no length term);
 - kimi_k15.py at its defaults but a --warmup (default 20) step warm-up of the length penalty (weight 1);
-- kimi_k15.py --length-penalty-weight 0 (the same loss and optimizer reset, no penalty: what the penalty adds).
+- kimi_k15.py --length-penalty-weight 0 (the same loss and optimizer reset, no penalty: what the penalty adds);
+- kimi_k15.py with the penalty and --no-reset-optimizer (AdamW's moments kept across steps, as grpo.py's).
 
 Then tools/compare.py's table (final: the mean of the last --window steps, mean ± 95% interval over seeds, and each
 group's difference to grpo.py with Welch's interval) of train accuracy and length, into benchmarks/results/ (--results).
@@ -111,6 +112,7 @@ def main() -> None:
         ("grpo", "grpo", ["--beta", "0"]),
         ("kimi_k15", "kimi", ["--length-penalty-warmup-steps", str(a.warmup)]),
         ("kimi_k15", "kimi_no_penalty", ["--length-penalty-weight", "0"]),
+        ("kimi_k15", "kimi_no_reset", ["--length-penalty-warmup-steps", str(a.warmup), "--no-reset-optimizer"]),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     for seed in [int(s) for s in a.seeds.split(",")]:
