@@ -64,6 +64,11 @@ PER_SCRIPT.update({"reinforce_pp": NEWER, "rloo": ["--warmup-steps", "0"]})
 # no step for the policy): the 10 steps include them.
 PER_SCRIPT["ppo"] = ["--warmup-steps", "0", "--critic-warmup-steps", "0", "--critic-num-mini-batches", "2"]
 PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-steps", "2", "--eval-top-p", "1.0"]
+# kimi_k15.py: the length penalty from the first step (its 50-step warm-up would cover the run), one update per rollout
+# as grpo.py. long_cot.py as ppo.py here (no critic warm-up, 2 critic steps) with 2 policy updates per rollout in one
+# epoch instead of the paper's 16 x 2; its KL in the reward, its 16-token margin (at 64 new tokens: L >= 48 gets -10).
+PER_SCRIPT["kimi_k15"] = ["--length-penalty-warmup-steps", "0"]
+PER_SCRIPT["long_cot"] = [*NEWER, "--ppo-epochs", "1", "--critic-num-mini-batches", "2"]
 
 
 def sized(task: str, size: int) -> str:
@@ -215,6 +220,14 @@ def trl_run(model: str, data: str, seed: int, out: str, a) -> tuple[str, float]:
     return out, statistics.median(times)
 
 
+def train_lengths(run_dir: str, last: int = 3) -> tuple[float, float]:
+    """Tokens per completion the policy sampled: at the first step (the untrained model), and over the last `last`
+    steps (train/response_length_mean)."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    lengths = [r["train/response_length_mean"] for r in rows if "train/response_length_mean" in r]
+    return lengths[0], statistics.mean(lengths[-last:])
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})" if xs else "-"
 
@@ -254,7 +267,7 @@ def main() -> None:
             run_dir = run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", f"before{tag}"])
             before.append(final_eval(run_dir)[0])
             print(f"{label}: before, seed {seed}: {before[-1]:.3f}", flush=True)
-        rows.append((label, "untrained", "-", before, [], before))
+        rows.append((label, "untrained", "-", before, [], before, []))
         for script in [x for x in a.scripts.split(",") if x]:
             for setting in a.settings.split(","):
                 inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
@@ -262,16 +275,16 @@ def main() -> None:
                 # dynamic sampling drops the groups without signal that injection acts on: the scripts that have it
                 # inject without it
                 inj += ["--no-dynamic-sampling"] if inj and script in ("dapo", "cispo") else []
-                accs, secs = [], []
+                accs, secs, lens = [], [], []
                 for seed in seeds:
                     name = f"{script}_{setting}{tag}"
                     flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
                     flags += ["--total-steps", str(a.steps), "--eval-every", str(a.steps), "--seed", str(seed)]
                     run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
                     acc, s = final_eval(run_dir)
-                    accs.append(acc), secs.append(s), dirs.append(run_dir)
+                    accs.append(acc), secs.append(s), dirs.append(run_dir), lens.append(train_lengths(run_dir))
                     print(f"{label}: {name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-                rows.append((label, script, setting, accs, secs, before))
+                rows.append((label, script, setting, accs, secs, before, lens))
     if a.trl:
         accs, secs = [], []
         for seed in [int(x) for x in (a.trl_seeds or a.seeds).split(",")]:
@@ -287,7 +300,7 @@ def main() -> None:
             acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
             accs.append(acc), secs.append(s)
             print(f"trl, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-        rows.append(("word problems", "TRL GRPOTrainer", "plain", accs, secs, rows[0][3]))
+        rows.append(("word problems", "TRL GRPOTrainer", "plain", accs, secs, rows[0][3], []))
     import torch
 
     head = (
@@ -299,14 +312,16 @@ def main() -> None:
         f"{(time.time() - t0) / 60:.0f} min (finished runs are reused)"
     )
     lines = [head, "", "| data | script | setting | eval accuracy: mean (min-max over seeds) | mean ± 95% interval |"]
-    lines[-1] += " per seed | − untrained (Welch) | s/step |"
-    lines.append("|---|---|---|---|---|---|---|---|")
-    for label, script, setting, accs, secs, before in rows:
+    lines[-1] += " per seed | − untrained (Welch) | s/step | train tokens per completion: step 1 -> last 3 steps |"
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for label, script, setting, accs, secs, before, lens in rows:
         per = ", ".join(f"{x:.3f}" for x in accs)
         sec = f"{statistics.median(secs):.1f}" if secs else "-"
         diff = fmt(*welch(accs, before)[:2], signed=True) if script != "untrained" and len(accs) > 1 else "-"
+        tokens = ", ".join(f"{x:.1f} -> {y:.1f}" for x, y in lens) or "-"
         lines.append(
             f"| {label} | {script} | {setting} | {spread(accs)} | {fmt(*mean_ci(accs))} | {per} | {diff} | {sec} |"
+            f" {tokens} |"
         )
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)

@@ -104,9 +104,10 @@ class SharedArgs:
     """K: a step trains on rollouts generated K steps before, while the sampler works ahead"""
 
     # Data strategies (docs/data_strategies.md): all off by default
-    prompt_sampling: Literal["uniform", "curriculum", "medium"] = "uniform"
+    prompt_sampling: Literal["uniform", "curriculum", "medium", "prioritized", "hard-after-warmup"] = "uniform"
     """uniform: shuffled epochs; medium: prompts whose groups likely have a signal; curriculum:
-    those, easy to hard (docs/data_strategies.md)"""
+    those, easy to hard; prioritized: by 1 - pass rate; hard-after-warmup: uniform, then only hard
+    prompts (Kimi k1.5; docs/data_strategies.md)"""
     difficulty_file: str | None = None
     """tools/profile_data.py output: its per-prompt pass rates seed the tracker (the prior)"""
     gt_injection: bool = False
@@ -124,9 +125,14 @@ class SharedArgs:
     tracker_half_life: float = 10.0
     """steps after which a pass-rate observation weighs half (0: never forget)"""
     uniform_floor: float = 0.5
-    """curriculum/medium: the share of the draw probability spread uniformly over all prompts"""
+    """curriculum/medium/prioritized/hard-after-warmup: the share of the draw probability spread
+    uniformly over all prompts (ours: a solved prompt can come back)"""
     curriculum_min_target: float = 0.2
     """curriculum: the target pass rate at the end of the run (it starts at 1)"""
+    hard_warmup_steps: int = 24
+    """hard-after-warmup: steps drawing from the whole set first (Kimi k1.5 Fig. 9: 24 iterations)"""
+    hard_pass_rate: float = 0.5
+    """hard-after-warmup: a prompt is hard when its estimated pass rate is below this"""
 
     # Optimisation
     learning_rate: float = 1e-6

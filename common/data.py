@@ -246,13 +246,21 @@ class TrainData:
 
     def next_rows(self, step: int, count: int, rank: int, world: int) -> list[int]:
         """This rank's `count` training rows of the next draw (every rank's together: count * world rows), by
-        --prompt-sampling (curriculum: at progress step / --total-steps)."""
+        --prompt-sampling (curriculum: at progress step / --total-steps; hard-after-warmup: uniform's shuffled epochs
+        before step --hard-warmup-steps)."""
         a, p = self.args, None
-        if a.prompt_sampling != "uniform":
+        warming = a.prompt_sampling == "hard-after-warmup" and step < a.hard_warmup_steps
+        if a.prompt_sampling != "uniform" and not warming:
             progress = step / max(a.total_steps, 1)
             rate = self.tracker.pass_rate()
             p = draw_probabilities(
-                rate, a.prompt_sampling, progress, a.uniform_floor, a.curriculum_min_target, a.group_size
+                rate,
+                a.prompt_sampling,
+                progress,
+                a.uniform_floor,
+                a.curriculum_min_target,
+                a.group_size,
+                a.hard_pass_rate,
             )
         rows = step_indices(self.position, len(self.prompts), count, a.seed, rank, world, p)
         self.position += 1
@@ -405,9 +413,11 @@ def check_data_args(args: SharedArgs) -> None:
         raise SystemExit("--solution-column is read only by --gt-injection: add --gt-injection or drop it")
     if args.difficulty_file and not os.path.isfile(args.difficulty_file):
         raise SystemExit(f"--difficulty-file: no such file {args.difficulty_file!r}")
-    for flag in ("uniform_floor", "curriculum_min_target", "gt_injection_max_frac"):
+    for flag in ("uniform_floor", "curriculum_min_target", "gt_injection_max_frac", "hard_pass_rate"):
         if not 0.0 <= getattr(args, flag) <= 1.0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be in [0, 1], got {getattr(args, flag)}")
+    if args.hard_warmup_steps < 0:
+        raise SystemExit(f"--hard-warmup-steps must be >= 0, got {args.hard_warmup_steps}")
     if args.tracker_half_life < 0:
         raise SystemExit(f"--tracker-half-life must be >= 0 (0: never forget), got {args.tracker_half_life}")
     task = is_task_name(args.dataset_name) and args.total_steps > 0

@@ -6,7 +6,11 @@ measurements are in docs/data_strategies.md.
   the estimated pass rate is (correct + 1) / (samples + 2), so an unseen prompt counts as 0.5.
 - `draw_probabilities` / `draw_prompts`: --prompt-sampling medium weights a prompt by s(p) = 1 - p^G - (1 - p)^G, the
   chance that its group has a signal; curriculum also by a Gaussian around a target going from 1 to
-  --curriculum-min-target; a share --uniform-floor is uniform, and a step never draws a prompt twice.
+  --curriculum-min-target; prioritized by 1 - p (Kimi k1.5 §2.3.4, "proportional to 1 - s_i"); hard-after-warmup
+  (Kimi k1.5 §2.3.4 and Fig. 9) draws as uniform for --hard-warmup-steps steps, then only the prompts whose p is
+  below --hard-pass-rate, all alike (all of them while none is). A share --uniform-floor of every mode but uniform is
+  uniform (ours, not Kimi's: a prompt solved now keeps f / N and can come back), and a step never draws a prompt
+  twice.
 - `inject_and_replay` (before the batch is built): --gt-injection and --replay; `update_replay` (after the old
   log-probs): returns them with the replayed rows' stored ones, and stores new high-value groups.
 """
@@ -90,7 +94,7 @@ def signal_chance(pass_rate: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def sampling_weights(
-    pass_rate: np.ndarray, mode: str, progress: float, min_target: float, group_size: int
+    pass_rate: np.ndarray, mode: str, progress: float, min_target: float, group_size: int, hard_below: float = 0.5
 ) -> np.ndarray:
     """Unnormalised draw weight of each prompt (see the module docstring for the definitions)."""
     if mode == "medium":
@@ -98,14 +102,25 @@ def sampling_weights(
     if mode == "curriculum":
         target = 1.0 - (1.0 - min_target) * min(max(progress, 0.0), 1.0)
         return signal_chance(pass_rate, group_size) * np.exp(-((pass_rate - target) ** 2) / (2 * CURRICULUM_STD**2))
+    if mode == "prioritized":
+        return 1.0 - pass_rate  # > 0: the tracker's estimate is below 1
+    if mode == "hard-after-warmup":
+        hard = (pass_rate < hard_below).astype(np.float64)
+        return hard if hard.any() else np.ones_like(pass_rate)
     raise ValueError(f"no weights for --prompt-sampling {mode!r}")
 
 
 def draw_probabilities(
-    pass_rate: np.ndarray, mode: str, progress: float, floor: float, min_target: float, group_size: int
+    pass_rate: np.ndarray,
+    mode: str,
+    progress: float,
+    floor: float,
+    min_target: float,
+    group_size: int,
+    hard_below: float = 0.5,
 ) -> np.ndarray:
     """P(i) = (1 - floor) w_i / sum w + floor / N: the weights with a uniform share `floor` (w > 0 for 0 < p < 1)."""
-    w = sampling_weights(pass_rate, mode, progress, min_target, group_size)
+    w = sampling_weights(pass_rate, mode, progress, min_target, group_size, hard_below)
     return (1.0 - floor) * w / w.sum() + floor / len(w)
 
 
@@ -113,11 +128,18 @@ def draw_prompts(p: np.ndarray, seed: int, position: int, count: int) -> list[in
     """`count` prompt indices drawn from `p` without replacement (successive sampling: the first with P(i), the
     next from the rest renormalised, ...; as Gumbel top-k: the largest log p_i + Gumbel noise), from an RNG keyed by
     (seed, position) alone: every rank draws the same list, a resumed run the same as before. More than len(p):
-    passes of len(p) each."""
-    rng, logp, out = np.random.default_rng([seed, position, 11]), np.log(p), []
+    passes of len(p) each. Prompts of probability 0 (hard-after-warmup without a floor) come after all the others,
+    in random order."""
+    rng, out = np.random.default_rng([seed, position, 11]), []
+    with np.errstate(divide="ignore"):
+        logp = np.log(p)
     while len(out) < count:
         keys = logp + rng.gumbel(size=len(p))
-        out += np.argsort(-keys, kind="stable")[: count - len(out)].tolist()
+        if np.isinf(logp).any():  # -inf keys tie: a random order among them
+            order = np.lexsort((rng.random(len(p)), -keys))
+        else:
+            order = np.argsort(-keys, kind="stable")
+        out += order[: count - len(out)].tolist()
     return out
 
 

@@ -239,6 +239,68 @@ def test_every_rank_draws_the_same_list_and_takes_its_slice():
     assert whole != data.next_rows(4, 8, 0, 1)  # the next position: a fresh draw
 
 
+def draw_frequencies(data: TrainData, steps: range) -> Counter:
+    """How often each row is the one prompt of a step's draw (`TrainData.next_rows` with a count of 1) over `steps`;
+    the tracker is not updated, so every step draws from the same probabilities."""
+    return Counter(data.next_rows(step, 1, 0, 1)[0] for step in steps)
+
+
+def assert_frequencies(freq: Counter, n: int, probs: list[float]) -> None:
+    """Every row's frequency within 5 binomial standard deviations of its probability."""
+    for i, q in enumerate(probs):
+        assert abs(freq[i] / n - q) <= 5 * math.sqrt(q * (1 - q) / n) + 1e-12, (i, freq[i] / n, q)
+
+
+# (correct, samples) per prompt: estimates 0.1, 0.3, 0.5 (unseen), 0.7 and 101/102 (solved a hundred times)
+KIMI_COUNTS = [(0, 8), (2, 8), (0, 0), (6, 8), (100, 100)]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.25])
+def test_prioritized_draws_prompts_in_proportion_to_one_minus_their_pass_rate(floor):
+    """Kimi k1.5 §2.3.4: P(i) = (1 - s_i) / sum_j (1 - s_j) with s the tracker's estimate (floor 0, the paper's rule);
+    with --uniform-floor f, (1 - f) of that plus f / N (ours), so the solved prompt keeps at least f / N. 20k one-prompt
+    draws through TrainData.next_rows against the definition, computed here by a loop."""
+    est = [(c + 1) / (k + 2) for c, k in KIMI_COUNTS]
+    total = sum(1 - s for s in est)
+    probs = [(1 - floor) * (1 - s) / total + floor / len(est) for s in est]
+    data = train_data(5, tracker_with(KIMI_COUNTS), prompt_sampling="prioritized", uniform_floor=floor)
+    got = draw_probabilities(data.tracker.pass_rate(), "prioritized", 0.0, floor, 0.2, 8)
+    assert np.allclose(got, probs, rtol=1e-12, atol=0) and got[4] >= floor / 5
+    n = 20_000
+    assert_frequencies(draw_frequencies(data, range(n)), n, probs)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.25])
+def test_hard_after_warmup_draws_the_whole_set_then_only_the_hard_prompts(floor):
+    """Kimi k1.5 §2.3.4 and Fig. 9: for --hard-warmup-steps steps the draws are uniform's shuffled epochs (the same
+    rows as --prompt-sampling uniform); after them only the prompts whose estimate is below --hard-pass-rate, each
+    alike: P = (1 - f) / |H| + f / N for a hard prompt, f / N for the others (20k draws). With no hard prompt left
+    the draw is uniform again."""
+    flags = dict(prompt_sampling="hard-after-warmup", hard_warmup_steps=7, uniform_floor=floor, seed=3)
+    data = train_data(5, tracker_with(KIMI_COUNTS), **flags)
+    uniform = train_data(5, tracker_with(KIMI_COUNTS), seed=3)
+    assert [data.next_rows(s, 2, 0, 1) for s in range(7)] == [uniform.next_rows(s, 2, 0, 1) for s in range(7)]
+    hard = [(c + 1) / (k + 2) < 0.5 for c, k in KIMI_COUNTS]  # the first two: 0.1 and 0.3; unseen (0.5) is not hard
+    probs = [(1 - floor) * h / sum(hard) + floor / 5 for h in hard]
+    assert data.next_rows(7, 2, 0, 1) == draw_prompts(np.array(probs), 3, 7, 2)  # the first step after the warm-up
+    n = 20_000
+    assert_frequencies(draw_frequencies(data, range(8, 8 + n)), n, probs)
+    solved = train_data(5, tracker_with([(8, 8)] * 5), **flags)  # every estimate 0.9: no hard prompt
+    assert np.allclose(draw_probabilities(solved.tracker.pass_rate(), "hard-after-warmup", 0, floor, 0.2, 8), 0.2)
+
+
+def test_a_step_larger_than_the_hard_set_fills_up_with_the_others_at_random():
+    """Without a floor the easy prompts have probability 0: a step of 3 from 2 hard prompts takes both, and its third
+    prompt is each of the 4 others alike (8000 steps, 5 binomial standard deviations)."""
+    p = np.array([0.5, 0.5, 0.0, 0.0, 0.0, 0.0])
+    n, freq = 8000, Counter()
+    for step in range(n):
+        drawn = draw_prompts(p, 1, step, 3)
+        assert sorted(drawn[:2]) == [0, 1]
+        freq[drawn[2]] += 1
+    assert_frequencies(freq, n, [0.0, 0.0, 0.25, 0.25, 0.25, 0.25])
+
+
 # 3. Injection and replay ----------------------------------------------------------------------------------
 
 
@@ -655,6 +717,8 @@ def test_profile_takes_the_runs_flags_from_the_scripts(capsys):
         ("grpo", {"curriculum_min_target": -0.1}, "--curriculum-min-target"),
         ("grpo", {"gt_injection_max_frac": 2.0}, "--gt-injection-max-frac"),
         ("grpo", {"tracker_half_life": -1.0}, "--tracker-half-life"),
+        ("grpo", {"hard_pass_rate": 1.5}, "--hard-pass-rate"),
+        ("grpo", {"hard_warmup_steps": -1}, "--hard-warmup-steps"),
     ],
 )
 def test_bad_data_strategy_flags_stop_with_one_line_naming_the_flag(script, kw, flag, toy_assets, tmp_path):

@@ -33,6 +33,8 @@ SCRIPTS = [
         "rloo",
         "ppo",
         "vapo",
+        "kimi_k15",
+        "long_cot",
     )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
@@ -58,6 +60,13 @@ LEARN_FLAGS: dict[str, dict] = {
             "critic-num-mini-batches": 1},
     "vapo": {"critic-learning-rate": 3e-3, "critic-num-mini-batches": 1, "value-warmup-steps": 1,
              "num-mini-batches": 1},
+    # the length reward of 2-token completions would favour the empty one (EOS first: the shortest wrong answer
+    # scores 0, the others below); the penalty is measured on a task whose length the policy chooses
+    "kimi_k15": {"length-penalty-weight": 0},
+    # nothing exceeds a 2-token budget (the 16-token margin would give every completion -10), ppo.py's critic flags,
+    # one update per rollout (its 16 mini-batches x 2 epochs are the paper's 8192 completions')
+    "long_cot": {"exceed-margin": -1, "critic-learning-rate": 3e-3, "critic-num-mini-batches": 1,
+                 "num-mini-batches": 1, "ppo-epochs": 1},
 }  # fmt: skip
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 
@@ -312,6 +321,8 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # slows it here: 0.133 and 0.147 without on seeds 3-4); lr 0: -0.004; the sign flipped: accuracy to 0.
     # ppo.py and vapo.py, seeds 1-4: 0.131-0.328 and 0.134-0.166; lr 0: -0.004; the sign flipped: ppo -0.010,
     # vapo +0.008 (its LM loss on correct completions still pulls).
+    # kimi_k15.py and long_cot.py (LEARN_FLAGS), seeds 1-4: 0.133-0.325 and 0.100-0.211; lr 0: -0.004 each; the
+    # advantage's sign flipped (seed 1): -0.007 and -0.009, the accuracy driven to 0.
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from learning_rise import rise  # the same measure for runs outside the suite
 

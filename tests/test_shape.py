@@ -40,6 +40,8 @@ MAX_DIFF = {
     "rloo": 153,
     "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
     "vapo": 334,
+    "kimi_k15": 151,  # the squared loss, the length reward, the optimizer reset; no reference model
+    "long_cot": 347,  # ppo.py's critic, the cosine reward, the dense penalty's stream, the KL in the reward
 }
 # prose (docstring and comment characters) per code character: cleanRL's ppo.py is at 0.23, nanochat's chat_rl.py at
 # 0.50; a docstring keeps the paper, the change, its equations and our deviations, the defaults' provenance lives in
@@ -58,10 +60,12 @@ EXTRA_IMPORTS = {
     | {"load_critic", "value_metrics", "PromptTemplate"},
 }
 EXTRA_IMPORTS["vapo"] = EXTRA_IMPORTS["ppo"]
+EXTRA_IMPORTS["long_cot"] = EXTRA_IMPORTS["ppo"] - {"PromptTemplate"}
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top
 UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}
-UNUSED_BY.update(ppo={"SharedArgs"}, vapo={"SharedArgs"})  # their Args inherit it through common.critic.CriticArgs
+# their Args inherit it through common.critic.CriticArgs
+UNUSED_BY.update(ppo={"SharedArgs"}, vapo={"SharedArgs"}, long_cot={"SharedArgs"})
 # update_policy differs: DARO also steps its bucket weights; Clip-Cov / KL-Cov and M2PO select tokens once per
 # mini-batch over all ranks; VAPO counts the tokens of its LM loss over the mini-batch
 OWN_UPDATE = ("daro", "clip_cov", "m2po", "vapo")

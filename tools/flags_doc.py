@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 from common.args import SharedArgs, field_docs  # noqa: E402
 
 SCRIPTS = ["grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro", "sapo", "gmpo", "dppo", "clip_cov", "m2po"]
-SCRIPTS += ["reinforce_pp", "rloo", "ppo", "vapo"]
+SCRIPTS += ["reinforce_pp", "rloo", "ppo", "vapo", "kimi_k15", "long_cot"]
 OUT = os.path.join(ROOT, "docs", "flags.md")
 
 # What a help line leaves out, appended to the flag's meaning (every script's flag of that name).
@@ -41,7 +41,9 @@ NOTES = {
     "vllm_enable_sleep_mode": "vLLM's CPU backend cannot sleep",
     "prompt_sampling": "medium weights a prompt by s(p) = 1 − p^G − (1 − p)^G, the chance that a group of G "
     "completions at its estimated pass rate p has a signal; curriculum by s(p) · exp(−(p − τ)² / (2 · 0.2²)), "
-    "τ going from 1 to `--curriculum-min-target`; see [Data strategies](data_strategies.md)",
+    "τ going from 1 to `--curriculum-min-target`; prioritized by 1 − p (Kimi k1.5 §2.3.4); hard-after-warmup "
+    "uniformly for `--hard-warmup-steps`, then only prompts with p < `--hard-pass-rate`; every mode but uniform "
+    "with the `--uniform-floor` share; see [Data strategies](data_strategies.md)",
     "difficulty_file": "one JSON line per prompt with at least `pass_rate` (and `samples`)",
     "micro_batch_tokens": "8192 = 4 sequences of 1024 + 1024 tokens, grpo.py's worst case; see "
     "[Micro-batches](benchmarks.md#micro-batches)",

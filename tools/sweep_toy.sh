@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# All sixteen scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
+# All the scripts on the offline toy task, same flags, then one plot (the README's figure, or $PLOT):
 #   bash tools/sweep_toy.sh [out_dir [flag ...]]
 # Flags after out_dir go to every script and win over the ones below, e.g. another seed:
 #   PLOT=/tmp/toy_s2.png bash tools/sweep_toy.sh /tmp/learn/s2 --seed 2
@@ -29,4 +29,7 @@ python ppo.py $common --truncated-reward keep --critic-learning-rate 3e-3 --crit
   --critic-num-mini-batches 1 "$@"
 python vapo.py $common --critic-learning-rate 3e-3 --critic-num-mini-batches 1 --value-warmup-steps 1 \
   --num-mini-batches 1 "$@"
+python kimi_k15.py $common --length-penalty-weight 0 "$@"  # 2-token answers: the length reward would favour EOS first
+python long_cot.py $common --exceed-margin -1 --critic-learning-rate 3e-3 --critic-num-mini-batches 1 \
+  --num-mini-batches 1 --ppo-epochs 1 "$@"
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out "${PLOT:-docs/toy_sweep.png}"
