@@ -33,6 +33,8 @@ SCRIPTS = [
         "rloo",
         "ppo",
         "vapo",
+        "l1",
+        "cppo",
     )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
@@ -58,6 +60,9 @@ LEARN_FLAGS: dict[str, dict] = {
             "critic-num-mini-batches": 1},
     "vapo": {"critic-learning-rate": 3e-3, "critic-num-mini-batches": 1, "value-warmup-steps": 1,
              "num-mini-batches": 1},
+    # no reference model, as grpo's; l1: N in 1..2 (its range scaled to the 2-token budget)
+    "l1": {"beta": 0},
+    "cppo": {"beta": 0},
 }  # fmt: skip
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 

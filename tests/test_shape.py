@@ -37,6 +37,8 @@ MAX_DIFF = {
     "rloo": 153,
     "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
     "vapo": 334,
+    "l1": 190,  # the target in the prompt, the reward, the budgets' evaluation and the target metrics
+    "cppo": 109,  # the pruning, the allocation, their flags and metrics
 }
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
 EXTRA_IMPORTS = {
@@ -51,6 +53,7 @@ EXTRA_IMPORTS = {
     | {"load_critic", "value_metrics", "PromptTemplate"},
 }
 EXTRA_IMPORTS["vapo"] = EXTRA_IMPORTS["ppo"]
+EXTRA_IMPORTS["l1"] = {"gather", "encode_prompts", "load_rows"}  # |n_y - N| over ranks; the budgets' prompts
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top
 UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}
