@@ -109,7 +109,7 @@ def test_the_verl_port_keeps_one_fewer_where_n_p_is_fractional():
 def test_allocation_is_the_official_repeat_and_refills_the_batch():
     """int(1 / (1 - P)) more prompts (P = 0.75 floats to exactly 4 either way); the kept completions are then GRPO's
     --prompts-per-step x G when 1 / (1 - P) is an integer, more otherwise."""
-    for p, m in ((0.0, 1), (0.3, 1), (0.5, 2), (0.6, 2), (0.75, 4), (0.875, 8), (0.9375, 16)):
+    for p, m in ((0.0, 1), (0.3, 1), (0.5, 2), (0.6, 2), (0.65, 2), (0.75, 4), (0.8, 5), (0.875, 8), (0.9375, 16)):
         assert cppo.allocation(make_args(pruning=p)) == official_repeat(p) == m
         assert cppo.allocation(make_args(pruning=p, allocation=False)) == 1
     share, g = 4, 16

@@ -324,16 +324,16 @@ class FixedSampler:
 
 
 def test_evaluate_budgets_by_hand():
-    """Two questions x k = 2 at budget 8: lengths 8, 9, 4, 20 (|n_y - 8| = 0, 1, 4, 12: mean 4.25, within 0.8 of 8:
-    one), two right answers of four."""
+    """Two questions x k = 2 at budget 10: lengths 10, 11, 4, 20 (|n_y - 10| = 0, 1, 6, 10: mean 4.25; within 1 of
+    10, the boundary included: two), three right answers of four."""
     args = make_args(eval_samples=2, eval_temperature=0.6, eval_max_new_tokens=32, reward_format="any")
-    sampler = FixedSampler([(8, "5"), (9, "4"), (4, "7"), (20, "7")])
-    m = l1.evaluate_budgets(sampler, {("data/test.jsonl", 8): ([[1], [2]], ["5", "7"])}, args)
+    sampler = FixedSampler([(10, "5"), (11, "4"), (4, "7"), (20, "7")])
+    m = l1.evaluate_budgets(sampler, {("data/test.jsonl", 10): ([[1], [2]], ["5", "7"])}, args)
     assert m == {
-        "eval/test/n8/avg@2": 0.75,  # "5" right, "4" wrong, "7" right twice
-        "eval/test/n8/length_mean": 10.25,
-        "eval/test/n8/target_error": 4.25,
-        "eval/test/n8/target_within_10pct": 0.25,
+        "eval/test/n10/avg@2": 0.75,  # "5" right, "4" wrong, "7" right twice
+        "eval/test/n10/length_mean": 11.25,
+        "eval/test/n10/target_error": 4.25,
+        "eval/test/n10/target_within_10pct": 0.5,
     }
     assert sampler.calls == [(2, 2, 0.6, 1.0, 32)]
 
@@ -402,3 +402,46 @@ def test_length_percentiles_by_hand(lengths, p50, p90):
     m = rollout_metrics(torch.zeros(n), torch.tensor(lengths, dtype=torch.float32), torch.zeros(n), torch.ones(n), n)
     assert (m["train/response_length_p50"], m["train/response_length_p90"]) == pytest.approx((p50, p90), abs=1e-12)
     assert (p50, p90) == pytest.approx(tuple(np.quantile(lengths, [0.5, 0.9])), abs=1e-12)
+
+
+@pytest.mark.slow
+def test_a_run_rewards_each_completion_against_its_prompts_target(toy_assets, tmp_path, monkeypatch):
+    """Two steps of l1.py on the toy task (N in 1..16 of 16 new tokens): every reward the loop computes gets, for
+    each completion, the N its prompt says, and the logged train/target_error is the mean |n_y - N| of them."""
+    import glob
+    import json
+    import os
+    import re
+
+    import tyro
+    from transformers import AutoTokenizer
+
+    from tests.test_scripts import toy_flags
+
+    tok, seen = AutoTokenizer.from_pretrained(toy_assets["model"]), []
+    inner = l1.compute_rewards
+
+    def compute_rewards(correct, lengths, truncated, args, targets):
+        seen.append((lengths.clone(), targets.clone()))
+        return inner(correct, lengths, truncated, args, targets)
+
+    def completion_targets(prompts, target_of, args, device):
+        said = [int(re.search(r"Think for (\d+) tokens\.$", tok.decode(p)).group(1)) for p in prompts]
+        got = inner_targets(prompts, target_of, args, device)
+        assert got.tolist() == [n for n in said for _ in range(args.group_size)]
+        return got
+
+    inner_targets = l1.completion_targets
+    monkeypatch.setattr(l1, "compute_rewards", compute_rewards)
+    monkeypatch.setattr(l1, "completion_targets", completion_targets)
+    extra = {"max-new-tokens": 16, "target-frac": "0.0 1.0", "beta": 0, "exp-name": "t", "max-prompt-tokens": 40}
+    flags = toy_flags(toy_assets, str(tmp_path), 2, **extra)
+    i = flags.index("--target-frac")
+    flags[i + 1 : i + 2] = ["0.0", "1.0"]
+    l1.main(tyro.cli(l1.Args, args=flags))
+    (path,) = glob.glob(os.path.join(tmp_path, "t__*", "metrics.jsonl"))
+    rows = [json.loads(line) for line in open(path)]
+    assert len(seen) == len(rows) == 2 and len({t for _, targets in seen for t in targets.tolist()}) > 3
+    for (lengths, targets), row in zip(seen, rows):
+        want = (lengths - targets).abs().double().mean().item()
+        assert row["train/target_error"] == pytest.approx(want, rel=1e-6)
