@@ -53,6 +53,9 @@ PER_SCRIPT.update({"reinforce_pp": NEWER, "rloo": ["--warmup-steps", "0"]})
 # no step for the policy): the 10 steps include them.
 PER_SCRIPT["ppo"] = ["--warmup-steps", "0", "--critic-warmup-steps", "0", "--critic-num-mini-batches", "2"]
 PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-steps", "2", "--eval-top-p", "1.0"]
+# l1.py as grpo.py (no KL, one update per rollout; run_l1_exact.sh has 2 mini-batches) with the paper's weight of the
+# whole target range at 64 tokens, alpha = 0.0003 x 4096 / 64; N in 2..62, evaluation budgets 8, 16, 32, 56 tokens.
+PER_SCRIPT["l1"] = ["--beta", "0", "--num-mini-batches", "1", "--alpha", "0.0192"]
 
 
 def common_flags(data: str, a) -> list[str]:
