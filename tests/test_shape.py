@@ -37,8 +37,8 @@ MAX_DIFF = {
     "rloo": 153,
     "ppo": 286,  # the critic: its flags' overrides, values once per rollout, GAE, the value loss, update_critic
     "vapo": 334,
-    "l1": 190,  # the target in the prompt, the reward, the budgets' evaluation and the target metrics
-    "cppo": 109,  # the pruning, the allocation, their flags and metrics
+    "l1": 197,  # the target in the prompt, the reward, the budgets' evaluation and the target metrics
+    "cppo": 127,  # the pruning, the allocation, their flags and metrics
 }
 # names a script imports from common/ beyond grpo.py's, and grpo.py's that it does not need
 EXTRA_IMPORTS = {

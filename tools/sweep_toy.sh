@@ -29,4 +29,6 @@ python ppo.py $common --truncated-reward keep --critic-learning-rate 3e-3 --crit
   --critic-num-mini-batches 1 "$@"
 python vapo.py $common --critic-learning-rate 3e-3 --critic-num-mini-batches 1 --value-warmup-steps 1 \
   --num-mini-batches 1 "$@"
+python l1.py $common --beta 0 "$@"
+python cppo.py $common --beta 0 "$@"
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out "${PLOT:-docs/toy_sweep.png}"
