@@ -270,7 +270,8 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # reinforce_pp.py and rloo.py, seeds 1-4: 0.150-0.394 and 0.065-0.149 (RLOO's KL in the reward, beta 0.03,
     # slows it here: 0.133 and 0.147 without on seeds 3-4); lr 0: -0.004; the sign flipped: accuracy to 0.
     # ppo.py and vapo.py, seeds 1-4: 0.131-0.328 and 0.134-0.166; lr 0: -0.004; the sign flipped: ppo -0.010,
-    # vapo +0.008 (its LM loss on correct completions still pulls).
+    # vapo +0.008 (its LM loss on correct completions still pulls). l1.py and cppo.py, seeds 1-4: 0.072-0.158 and
+    # 0.235-0.588; lr 0: -0.003 and +0.002; the sign flipped: -0.010 and -0.005.
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from learning_rise import rise  # the same measure for runs outside the suite
 
