@@ -69,6 +69,9 @@ PER_SCRIPT["vapo"] = [*NEWER, "--critic-num-mini-batches", "2", "--value-warmup-
 # epoch instead of the paper's 16 x 2; its KL in the reward, its 16-token margin (at 64 new tokens: L >= 48 gets -10).
 PER_SCRIPT["kimi_k15"] = ["--length-penalty-warmup-steps", "0"]
 PER_SCRIPT["long_cot"] = [*NEWER, "--ppo-epochs", "1", "--critic-num-mini-batches", "2"]
+# l1.py as grpo.py (no KL, one update per rollout; run_l1_exact.sh has 2 mini-batches) with the paper's weight of the
+# whole target range at 64 tokens, alpha = 0.0003 x 4096 / 64; N in 2..62, evaluation budgets 8, 16, 32, 56 tokens.
+PER_SCRIPT["l1"] = ["--beta", "0", "--num-mini-batches", "1", "--alpha", "0.0192"]
 
 
 def sized(task: str, size: int) -> str:

@@ -164,9 +164,10 @@ def load_eval_rows(name: str, config: str | None, split: str, prompt_column: str
     return [r[prompt_column] for r in rows], [r[answer_column] for r in rows]
 
 
-def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, log=print):
+def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, log=print, kept=None):
     """Tokenised prompts (in --prompt-template) and their answers; prompts over --max-prompt-tokens and
-    unparseable answers dropped and counted (refused when more than --max-bad-answer-frac cannot be parsed)."""
+    unparseable answers dropped and counted (refused when more than --max-bad-answer-frac cannot be parsed).
+    `kept`, a list, receives the index of each question kept."""
     bad = set(find_unparseable_gold(answers))
     if len(bad) > args.max_bad_answer_frac * len(answers):
         raise SystemExit(
@@ -181,6 +182,8 @@ def encode_prompts(questions, answers, tokenizer, args: SharedArgs, flag: str, l
         elif i not in bad:
             prompts.append(ids)
             golds.append(a)
+            if kept is not None:
+                kept.append(i)
     if bad:
         examples = [answers[i][:60] for i in sorted(bad)[:3]]
         log(f"{flag}: dropped {len(bad)} rows whose answer cannot be parsed, e.g. {examples}")
@@ -238,6 +241,7 @@ class TrainData:
     pending: list[dict] = field(default_factory=list)  # rollouts generated ahead (--off-policy-steps), oldest first
     tool: ToolConfig | None = None  # the Python tool: demonstrations' programs run, their outputs spliced and masked
     env: Env | None = None  # the run's environment (common.env.open_env): the tool, or the game whose tasks are golds
+    source_rows: list[int] = field(default_factory=list)  # the dataset row of each prompt
     _tool: Tool | None = None
 
     def __post_init__(self) -> None:
@@ -432,10 +436,13 @@ def check_data_args(args: SharedArgs) -> None:
         raise SystemExit("--solution-column: reasoning-gym tasks have no worked solutions; drop it (docs/tasks.md)")
 
 
-def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
+def load_data(
+    args: SharedArgs, tokenizer, log=print, suffix=None
+) -> tuple[TrainData | None, dict[str, tuple[list, list]]]:
     """The training data (None with --total-steps 0: an evaluation-only run reads none) and the evaluation sets
     ({name: (prompt ids, golds)}, empty without --eval-every). `log` (the main process's print) gets one line for each
-    setting that quietly does less than it seems to."""
+    setting that quietly does less than it seems to. `suffix(row)`: text appended to the training question of
+    dataset row `row` before its template (l1.py's length target); TrainData.source_rows maps prompts to rows."""
     if note := chat_template_note(args.prompt_template, tokenizer, args.model_name_or_path):
         log(note)
     env = open_env(
@@ -449,8 +456,12 @@ def load_data(args: SharedArgs, tokenizer, log=print) -> tuple[TrainData | None,
         questions, answers = load_rows(*dataset, args.prompt_column, args.answer_column, "--dataset-name")
         if args.partial_credit:  # the task's own score as the reward; "correct" stays a score of 1
             answers = with_partial_credit(answers)
-        prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log)
+        if suffix is not None:
+            questions = [q + suffix(i) for i, q in enumerate(questions)]
+        rows: list[int] = []
+        prompts, golds = encode_prompts(questions, answers, tokenizer, args, "--dataset-name", log, rows)
         train = TrainData(args, prompts, golds, tokenizer, env=env)  # with the tool: demonstrations' programs run
+        train.source_rows = rows
         if args.gt_injection and args.solution_column:  # worked solutions, matched to the kept rows by their prompt
             try:
                 solutions = load_rows(*dataset, args.prompt_column, args.solution_column, "--solution-column")[1]

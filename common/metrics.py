@@ -344,12 +344,15 @@ def rollout_metrics(correct, lengths, rewards, truncated, group_size: int) -> di
     are [N] tensors over all ranks, groups of group_size contiguous."""
     group_acc = correct.view(-1, group_size).mean(1)
     right, wrong = lengths[correct > 0], lengths[correct == 0]
+    p50, p90 = torch.quantile(lengths.double(), torch.tensor([0.5, 0.9], dtype=torch.float64, device=lengths.device))
     return {
         "train/reward_mean": rewards.mean().item(),
         "train/reward_std": rewards.std().item(),
         "train/accuracy": correct.mean().item(),
         "train/response_length_mean": lengths.mean().item(),
         "train/response_length_max": lengths.max().item(),
+        "train/response_length_p50": p50.item(),  # linear interpolation between order statistics (numpy's default)
+        "train/response_length_p90": p90.item(),
         "train/response_length_correct": right.mean().item() if len(right) else float("nan"),
         "train/response_length_incorrect": wrong.mean().item() if len(wrong) else float("nan"),
         "train/truncated_frac": truncated.float().mean().item(),

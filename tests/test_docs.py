@@ -42,6 +42,8 @@ def documented_key(key: str) -> str:
     key = re.sub(r"^(train/daro_[wLM]_)[0-9.]+$", r"\1<μ>", key)
     key = re.sub(r"^train/reflection/[a-z_]+_(frac|accuracy)$", r"train/reflection/<pattern>_\1", key)
     key = re.sub(r"^(train/adv_(mean|std)_pos)\d+$", r"\1<k>", key)
+    key = re.sub(r"^eval/[^/]+/n\d+/avg@\d+$", "eval/<dataset>/n<N>/avg@k", key)  # l1.py's budgets
+    key = re.sub(r"^eval/[^/]+/n\d+/", "eval/<dataset>/n<N>/", key)
     key = re.sub(r"^eval/[^/]+/", "eval/<dataset>/", key)
     return re.sub(r"^(eval/<dataset>/(avg|pass|maj))@\d+$", r"\1@k", key)
 
@@ -57,6 +59,7 @@ def test_undocumented_metric_keys_are_found():
     assert undocumented_metric_keys(["train/accuracy", "eval/test/avg@2", "train/daro_w_0.5"]) == []
     assert undocumented_metric_keys(["train/adv_mean_pos16", "train/adv_std_pos4096", "train/value_loss"]) == []
     assert undocumented_metric_keys(["train/accuracy", "train/not_a_metric"]) == ["train/not_a_metric"]
+    assert undocumented_metric_keys(["eval/test/n512/avg@16", "eval/math/n8/target_error"]) == []
 
 
 # The repository stands alone: no pointer to a design document, notes or issue tracker outside it (docs/design.md

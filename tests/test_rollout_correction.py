@@ -25,6 +25,7 @@ MODES = ("token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
 CAP = 2.0
 # dppo.py and m2po.py take their ratio to the sampler's log-probs: no correction on top (main() refuses one)
 CORRECTED = [s for s in SCRIPTS if s not in ("dppo", "m2po")]
+KL_IN_LOSS = ("grpo", "l1", "cppo")  # grpo.py's k3 term to a reference, weighted by beta in the loss
 
 
 def batch(seed: int, n: int = 12, t: int = 6):
@@ -57,7 +58,7 @@ def loop_weights(old, rollout, mask, mode: str, cap: float) -> list[list[float]]
 
 def make(script: str, **kw):
     mod = importlib.import_module(script)
-    extra = {"beta": 0.04} if script == "grpo" else {}
+    extra = {"beta": 0.04} if script in KL_IN_LOSS else {}
     return mod, mod.Args(**{"group_size": 4, "rollout_correction_cap": CAP, **extra, **kw})
 
 
@@ -88,7 +89,7 @@ def test_gradient_is_the_loop_weight_times_the_policy_gradient(script, mode):
     got, _, stats = grad(mod, args, logps, old, adv, mask, rollout_logps=rollout)
     plain, _, _ = grad(mod, make(script, rollout_correction="none")[1], logps, old, adv, mask)
     want = w * plain
-    if script == "grpo":  # the KL term's gradient is not weighted
+    if script in KL_IN_LOSS:  # the KL term's gradient is not weighted
         no_kl = make(script, rollout_correction="none", beta=0.0)[1]
         policy_only, _, _ = grad(mod, no_kl, logps, old, adv, mask)
         want = w * policy_only + (plain - policy_only)
@@ -133,7 +134,7 @@ def test_micro_batches_add_up_with_the_correction(script, mode):
     mod, args = make(script, rollout_correction=mode)
     rewards, mask, old, logps, rollout = batch(3)
     adv = script_advantages(mod, rewards, mask, args, old, old - 0.3)
-    extra = {"ref_logps": old - 0.3} if script == "grpo" else {}
+    extra = {"ref_logps": old - 0.3} if script in KL_IN_LOSS else {}
     if script == "clip_cov":
         extra["cov_select"] = selection(mask)
     assert_micro_batches_add_up(

@@ -35,6 +35,8 @@ SCRIPTS = [
         "vapo",
         "kimi_k15",
         "long_cot",
+        "l1",
+        "cppo",
     )
     if os.path.exists(os.path.join(ROOT, f"{s}.py"))
 ]
@@ -67,6 +69,9 @@ LEARN_FLAGS: dict[str, dict] = {
     # one update per rollout (its 16 mini-batches x 2 epochs are the paper's 8192 completions')
     "long_cot": {"exceed-margin": -1, "critic-learning-rate": 3e-3, "critic-num-mini-batches": 1,
                  "num-mini-batches": 1, "ppo-epochs": 1},
+    # no reference model, as grpo's; l1: N in 1..2 (its range scaled to the 2-token budget)
+    "l1": {"beta": 0},
+    "cppo": {"beta": 0},
 }  # fmt: skip
 REQUIRED_KEYS = {"step", "train/reward_mean", "train/accuracy", "train/response_length_mean"}
 
@@ -323,6 +328,8 @@ def test_accuracy_rises_on_the_toy_task(script, learning_runs, request):
     # vapo +0.008 (its LM loss on correct completions still pulls).
     # kimi_k15.py and long_cot.py (LEARN_FLAGS), seeds 1-4: 0.133-0.325 and 0.100-0.211; lr 0: -0.004 each; the
     # advantage's sign flipped (seed 1): -0.007 and -0.009, the accuracy driven to 0.
+    # vapo +0.008 (its LM loss on correct completions still pulls). l1.py and cppo.py, seeds 1-4: 0.072-0.158 and
+    # 0.235-0.588; lr 0: -0.003 and +0.002; the sign flipped: -0.010 and -0.005.
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from learning_rise import rise  # the same measure for runs outside the suite
 

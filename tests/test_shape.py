@@ -42,6 +42,8 @@ MAX_DIFF = {
     "vapo": 334,
     "kimi_k15": 151,  # the squared loss, the length reward, the optimizer reset; no reference model
     "long_cot": 347,  # ppo.py's critic, the cosine reward, the dense penalty's stream, the KL in the reward
+    "l1": 197,  # the target in the prompt, the reward, the budgets' evaluation and the target metrics
+    "cppo": 127,  # the pruning, the allocation, their flags and metrics
 }
 # prose (docstring and comment characters) per code character: cleanRL's ppo.py is at 0.23, nanochat's chat_rl.py at
 # 0.50; a docstring keeps the paper, the change, its equations and our deviations, the defaults' provenance lives in
@@ -61,6 +63,7 @@ EXTRA_IMPORTS = {
 }
 EXTRA_IMPORTS["vapo"] = EXTRA_IMPORTS["ppo"]
 EXTRA_IMPORTS["long_cot"] = EXTRA_IMPORTS["ppo"] - {"PromptTemplate"}
+EXTRA_IMPORTS["l1"] = {"gather", "encode_prompts", "load_rows"}  # |n_y - N| over ranks; the budgets' prompts
 UNUSED_IMPORTS = {"load_reference"}  # GRPO's frozen reference, for its KL term
 # the ratio is to the sampler's own log-probs: no rollout correction on top
 UNUSED_BY = {"dppo": {"rollout_correction"}, "m2po": {"rollout_correction"}}

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 from common.args import SharedArgs, field_docs  # noqa: E402
 
 SCRIPTS = ["grpo", "dapo", "dr_grpo", "lite_ppo", "gspo", "cispo", "daro", "sapo", "gmpo", "dppo", "clip_cov", "m2po"]
-SCRIPTS += ["reinforce_pp", "rloo", "ppo", "vapo", "kimi_k15", "long_cot"]
+SCRIPTS += ["reinforce_pp", "rloo", "ppo", "vapo", "kimi_k15", "long_cot", "l1", "cppo"]
 OUT = os.path.join(ROOT, "docs", "flags.md")
 
 # What a help line leaves out, appended to the flag's meaning (every script's flag of that name).

@@ -32,4 +32,6 @@ python vapo.py $common --critic-learning-rate 3e-3 --critic-num-mini-batches 1 -
 python kimi_k15.py $common --length-penalty-weight 0 "$@"  # 2-token answers: the length reward would favour EOS first
 python long_cot.py $common --exceed-margin -1 --critic-learning-rate 3e-3 --critic-num-mini-batches 1 \
   --num-mini-batches 1 --ppo-epochs 1 "$@"
+python l1.py $common --beta 0 "$@"
+python cppo.py $common --beta 0 "$@"
 python tools/plot.py "$out"/* --smooth 10 --title "toy a+b task, 150 steps, CPU" --out "${PLOT:-docs/toy_sweep.png}"
