@@ -1,4 +1,4 @@
-# docs and experiment results: README.md#the-algorithms (this script's row, and its section if any)
+# docs and results: README.md#the-algorithms
 """Long-CoT reward shaping: the cosine length-scaled reward and a dense repetition penalty, on PPO.
 
 Paper: Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in LLMs",
@@ -51,17 +51,9 @@ from common.critic import (
 from common.data import load_data
 from common.logprobs import LogprobCanary, compute_logps, rollout_correction, weights_cast_once
 from common.metrics import Timer, add_stats, evaluate, step_metrics
-from common.reward import score
-from common.run import (
-    load_model,
-    load_reference,
-    load_sampler,
-    open_run,
-    prepare_training,
-    resume,
-    save_checkpoint,
-    start,
-)
+from common.models import load_model, load_reference, prepare_training
+from common.run import open_run, resume, save_checkpoint
+from common.setup import load_sampler, start
 
 
 @dataclass
@@ -81,7 +73,7 @@ class Args(CriticArgs):
 
     # Algorithm specific arguments
     clip_eps_low: float = 0.2
-    """PPO clip: ratios below 1 - clip_eps_low stop the gradient of negative-advantage tokens"""
+    """PPO clip: r < 1 - clip_eps_low stops a negative-advantage token's gradient"""
     clip_eps_high: float = 0.2
     """PPO clip: ratios above 1 + clip_eps_high stop the gradient of positive-advantage tokens"""
     cosine_correct: tuple[float, float] = (2.0, 1.0)
@@ -149,28 +141,26 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def compute_gae(token_rewards, values, mask, gamma, lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016), as verl's compute_gae_advantage_return, without its whitening:
-    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next, R_t = A_t + V_t, right to
-    left. A position with mask 0 is skipped: the next value and the running advantage carry past it
-    (a tool's output inside a completion). token_rewards, values, mask: [B, T]; lam: a float or [B]
-    (one per row). Returns raw (advantages, returns), [B, T]."""
-    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
-    next_value = torch.zeros_like(values[:, 0])
-    running = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        keep = mask[:, t] > 0
-        next_value = torch.where(keep, values[:, t], next_value)
-        running = torch.where(keep, delta + gamma * lam * running, running)
-        advantages[:, t] = running
-    return advantages, advantages + values
+    """GAE (Schulman et al. 2016) as verl's compute_gae_advantage_return, unwhitened; a position
+    with mask 0 (a tool's output) is skipped, the next value and the running advantage carrying
+    past it. token_rewards, values, mask: [B, T]; lam: a float or [B]. Returns (A, R), [B, T], by a
+    parallel scan of A_t = a_t + c_t A_t+1 in log2(T) steps."""
+    keep, t = mask > 0, values.shape[1]
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).reshape(-1, 1)
+    idx = torch.where(keep, torch.arange(t, device=mask.device), t).flip(1).cummin(1).values
+    nxt = torch.cat([idx.flip(1)[:, 1:], torch.full_like(idx[:, :1], t)], 1)  # next kept (t: none)
+    v_next = torch.cat([values, torch.zeros_like(values[:, :1])], 1).gather(1, nxt)
+    a = torch.where(keep, token_rewards + gamma * v_next - values, 0.0)  # A_t = a_t + c_t A_t+1
+    c = torch.where(keep, gamma * lam, 1.0)  # skipped: A_t = A_t+1
+    for k in (2**i for i in range((t - 1).bit_length())):  # a_t += c_t a_t+k; c_t *= c_t+k
+        a = torch.cat([a[:, :-k] + c[:, :-k] * a[:, k:], a[:, -k:]], 1)
+        c = torch.cat([c[:, :-k] * c[:, k:], c[:, -k:]], 1)
+    return a, a + values
 
 
 def whiten(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ORZ's batch-level advantage normalisation (orz/ppo/utils.py normalize_advantages) over every
-    rank's completion tokens: (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0
-    outside the mask."""
+    """ORZ's normalize_advantages (orz/ppo/utils.py) over every rank's completion tokens:
+    (A - mean) / sqrt(max(var, 1e-8)), var the population variance; 0 outside the mask."""
     m = mask.to(advantages.dtype)
     count, total = global_sum(torch.stack([m.sum(), (advantages * m).sum()]))
     mean = total / count.clamp(min=1)
@@ -219,7 +209,7 @@ def compute_policy_loss(
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
 
-    def token_mean(x: torch.Tensor) -> torch.Tensor:  # a mean over the mini-batch's tokens
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
         return (x * mask).sum() / num_tokens
 
     log_ratio = logps - old_logps
@@ -243,10 +233,9 @@ def compute_policy_loss(
 
 
 def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens=None):
-    """PPO's clipped value loss (verl compute_value_loss, ORZ's ValueLoss): 1/2 token mean of
-    max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), c = --value-clip; with None the
-    unclipped 1/2 (V - R)^2 (ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
-    value_clip_frac: the tokens whose clipped term is the larger (no gradient there), as verl's."""
+    """PPO's clipped value loss above (verl compute_value_loss, ORZ's ValueLoss), c = --value-clip
+    (None: unclipped, ORZ eq. 2). [B, T] inputs; num_tokens as compute_policy_loss's.
+    value_clip_frac: the tokens whose clipped term is the larger, as verl's."""
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     per_token = (values - returns) ** 2
     clipped_more = torch.zeros_like(per_token, dtype=torch.bool)
@@ -264,12 +253,8 @@ def compute_value_loss(values, old_values, returns, mask, args: Args, num_tokens
 def update_policy(
     policy, optimizer, scheduler, accelerator, batch, args: Args, step: int, num_mini_batches=None
 ):
-    """PPO-style updates on one rollout: --ppo-epochs passes, each split into `num_mini_batches`
-    optimizer steps (default --num-mini-batches), each accumulated over micro-batches whose losses
-    share the mini-batch's global normalisers (so the accumulated gradient equals the whole
-    mini-batch's, on any number of ranks). Returns the stats (means over the rollout; grad_norm,
-    skipped_updates and the log-prob canary). Nothing in the micro-batch loop reads a tensor on the
-    host."""
+    """--ppo-epochs passes of `num_mini_batches` optimizer steps, each accumulating micro-batches
+    with the mini-batch's normalisers. Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     num_mini_batches = num_mini_batches or args.num_mini_batches
     mb_size, updates = n // num_mini_batches, num_mini_batches * args.ppo_epochs
@@ -279,16 +264,16 @@ def update_policy(
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         for mb in range(num_mini_batches):
             mini_rows = perm[mb * mb_size : (mb + 1) * mb_size].tolist()
-            plan = micro_batches(mini_rows, batch["lens"], args)  # (rows, prompt, completion width)
+            plan = micro_batches(mini_rows, batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, num_seqs = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     accelerator.sync_gradients = last  # DeepSpeed's engine steps at the last only
                     with contextlib.nullcontext() if last else accelerator.no_sync(policy):
                         logps, entropy = policy(m["ids"], m["attn"], m["p_len"], args.temperature)
-                        # pi_old not stored (one on-policy update): pi_old = pi, the ratio is 1
+                        # one on-policy update: pi_old = pi, the ratio is 1
                         old = m.get("old_logps", logps.detach())
                         adv, mask, ref = m["advantages"], m["mask"], m.get("ref_logps")
                         extra = dict(ref_logps=ref, rollout_logps=m.get("sampler_logps"))
@@ -316,13 +301,11 @@ def update_policy(
     return stats
 
 
-# TRY NOT TO MODIFY: the critic's update loop (update_policy's, with the value loss)
+# TRY NOT TO MODIFY: the critic's update loop
 def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, step: int):
-    """--ppo-epochs passes over the rollout, each in --critic-num-mini-batches optimizer steps of the
-    value loss, accumulated over micro-batches with the mini-batch's global token count (the
-    gradient of the whole mini-batch, on any number of ranks). Backward and gradient norm are
-    common.critic's: under DeepSpeed accelerate's own calls drive the policy's engine. Returns the
-    stats (means over the rollout; critic_grad_norm, critic_skipped_updates)."""
+    """update_policy's loop on the value loss, in --critic-num-mini-batches optimizer steps per
+    epoch. Backward and gradient norm are common.critic's (under DeepSpeed accelerate's own calls
+    drive the policy's engine). Returns rollout-mean stats."""
     n, device = batch["ids"].shape[0], batch["ids"].device
     updates = args.critic_num_mini_batches * args.ppo_epochs
     stats, norms, skipped = {}, [], 0
@@ -333,7 +316,7 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
             plan = micro_batches(mini_rows.tolist(), batch["lens"], args)
             micro = [micro_batch(batch, rows, p_w, c_w) for rows, p_w, c_w in plan]
             num_tokens, _ = grad_normalizers([m["mask"] for m in micro])
-            with weights_cast_once():  # each fp32 weight cast to bf16 once, not per micro-batch
+            with weights_cast_once():
                 for j, m in enumerate(micro):
                     last = j == len(micro) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(critic):
@@ -357,8 +340,8 @@ def update_critic(critic, optimizer, scheduler, accelerator, batch, args: Args, 
 
 
 def main(args: Args) -> None:
-    # TRY NOT TO MODIFY: setup; everything is checked before the run directory is written
-    args, accelerator = start(args)  # "auto" modes resolved; args.requested: what was asked
+    # TRY NOT TO MODIFY: setup
+    args, accelerator = start(args)  # "auto" modes resolved
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     tokenizer, model = load_model(args)
     clip_ok = args.value_clip is None or args.value_clip > 0  # ALGO LOGIC: GAE's and the critic's
@@ -376,23 +359,22 @@ def main(args: Args) -> None:
         )
     check_critic_args(args, len(tokenizer), world)
     data, eval_sets = load_data(args, tokenizer, accelerator.print)  # no data: --total-steps 0
-    run = open_run(args, accelerator)  # run directory, args.json, TensorBoard, signals
+    run = open_run(args, accelerator)
     policy, optimizer, scheduler = prepare_training(args, model, accelerator)
     ref_policy = None
     if args.beta > 0:  # ALGO LOGIC: the initial policy, for the KL in the reward
         ref_policy = load_reference(args, accelerator, policy)
     sampler = load_sampler(args, model, tokenizer, accelerator)
-    if args.total_steps == 0:  # evaluation only: the model, or --resume's last checkpoint
+    if args.total_steps == 0:  # evaluation only
         run.log(evaluate(sampler, eval_sets, args), 0)
         return run.close(sampler)
-    # ALGO LOGIC: the critic, prepared after the policy (so saved and resumed with it)
+    # ALGO LOGIC: the critic, prepared after the policy (the checkpoint's order)
     critic, critic_optimizer, critic_scheduler = load_critic(args, accelerator)
     start_step = resume(args, run, policy, sampler, data) if args.resume else 0
 
     for step in range(start_step, args.total_steps):
         timer = Timer()
-        # ROLLOUT: G completions for each of this rank's prompts (--prompt-sampling chooses them);
-        # --off-policy-steps K: generated K steps ago, by that step's policy
+        # ROLLOUT: G completions per prompt
         rows, completions, staleness = data.rollout(step, sampler, rank, world)
         prompts = [data.prompts[i] for i in rows]
         if args.vllm_enable_sleep_mode:
@@ -400,7 +382,7 @@ def main(args: Args) -> None:
         timer.lap("generate")
         golds = [data.golds[i] for i in rows for _ in range(args.group_size)]
         texts = [c.text for c in completions]
-        correct, reward_info = score(texts, golds, answer_format=args.reward_format)
+        correct, reward_info = data.score(completions, golds)  # the verifier, or --env's returns
         correct = torch.tensor(correct, device=device)
         lengths = torch.tensor([len(c.token_ids) for c in completions], device=device)
         truncated = torch.tensor([c.truncated for c in completions], device=device)
@@ -409,18 +391,19 @@ def main(args: Args) -> None:
         # ALGO LOGIC: rewards; the advantages need the critic's values and the KL (below)
         rewards = compute_rewards(correct, lengths, truncated, args)
         trained_rewards = rewards
-        # DATA: --gt-injection / --replay may replace groups (then the advantages follow); the
-        # metrics describe the policy's own samples
+        # DATA: --gt-injection / --replay may replace groups (metrics: the policy's own samples)
         groups = data.train_groups(rows, completions, correct.tolist(), step, accelerator)
         if groups.changed:
             t = groups.tensors(device)
             trained_rewards = compute_rewards(t.correct, t.lengths, t.truncated, args)
 
-        # TRY NOT TO MODIFY: the batch; old and reference log-probs, once per rollout
+        # TRY NOT TO MODIFY: the batch, its old and reference log-probs
         pad_id = tokenizer.pad_token_id
-        batch = make_batch(groups.prompts, groups.completions, trained_rewards, pad_id, device)
+        # ALGO LOGIC: the critic's values, targets and advantages, per token
+        token_fields = ["old_values", "returns", "advantages"]
+        batch = make_batch(groups.prompts, groups.completions, pad_id, device, token_fields)
         plan = micro_batches(list(range(len(trained_rewards))), batch["lens"], args)
-        # pi_old for several updates, replayed rows or off-policy rollouts: once, before the updates
+        # pi_old, once, if the policy moves during the updates or rows are stale
         recompute = (
             args.num_mini_batches * args.ppo_epochs > 1 or args.replay or args.off_policy_steps
         )
@@ -446,11 +429,11 @@ def main(args: Args) -> None:
         )
         any_signal = (advantages != 0).any().float().reshape(1)
         has_signal = accelerator.reduce(any_signal, "sum").item() > 0  # on any rank
-        with torch.no_grad():
-            data.update_replay(groups, batch)  # DATA: --replay's stored log-probs and buffer
+        if recompute:  # DATA: --replay's rows keep their stored log-probs
+            batch["old_logps"] = data.update_replay(groups, batch["old_logps"], advantages)
         timer.lap("old_logprobs")
 
-        # TRAIN: mini-batches of the rollout, each in micro-batches with one global normaliser
+        # TRAIN
         stats = {"grad_norm": 0.0, "skipped_updates": 0.0}  # no advantage anywhere: no update
         if has_signal:
             stats = update_policy(policy, optimizer, scheduler, accelerator, batch, args, step)
@@ -465,7 +448,7 @@ def main(args: Args) -> None:
         sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy
         timer.lap("weight_sync")
 
-        # TRY NOT TO MODIFY: record metrics (gathered over ranks, read once per step)
+        # TRY NOT TO MODIFY: record metrics
         stats.update(
             no_signal=float(not has_signal), lr=scheduler.get_last_lr()[0], staleness=staleness
         )
@@ -482,14 +465,14 @@ def main(args: Args) -> None:
         if stopping or (
             args.save_every > 0 and (step + 1) % args.save_every == 0 and not last_step
         ):
-            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1)
+            save_checkpoint(run, policy, tokenizer, sampler, data, step + 1, critic)
         if stopping:
             accelerator.print(
                 f"stopped by signal after step {step + 1}; resume: --resume {run.dir}"
             )
             return run.close(sampler)
 
-    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps)
+    save_checkpoint(run, policy, tokenizer, sampler, data, args.total_steps, critic)
     accelerator.print(f"done: {run.dir}")
     run.close(sampler)
 

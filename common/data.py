@@ -39,8 +39,8 @@ from common.data_strategies import (
 from common.env import EVAL_TASKS, Env, GymEnv, failed_turn, open_env
 from common.evaluation import champ_rows, check_samples
 from common.reward import answer_format_for, find_unparseable_gold, gold_text, score
-from common.tool import Tool, ToolConfig, splice_text
 from common.tasks import is_task_name, load_task_rows, parse_task_name, with_partial_credit
+from common.tool import Tool, ToolConfig, splice_text
 
 # Prompt templates
 SYSTEM_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
