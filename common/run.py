@@ -214,8 +214,8 @@ def save_checkpoint(run: Run, policy, tokenizer, sampler, data, step: int, criti
 
     accelerator = run.accelerator
     models = {"policy": policy} | ({"critic": critic} if critic is not None else {})
-    prepared = accelerator._models
-    if len(prepared) != len(models) or any(a is not b for a, b in zip(prepared, models.values())):
+    prepared, unwrap = accelerator._models, accelerator.unwrap_model  # DDP keeps the model, not its wrapper
+    if len(prepared) != len(models) or any(unwrap(a) is not unwrap(b) for a, b in zip(prepared, models.values())):
         raise RuntimeError(f"save_checkpoint: {len(prepared)} prepared models, named {list(models)} in that order")
     final = os.path.join(run.dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"

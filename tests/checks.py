@@ -4,6 +4,7 @@ several processes, and several runs in one process for the tests that need a run
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
 import itertools
@@ -16,7 +17,7 @@ import types
 
 import torch
 
-from common.batching import grad_normalizers
+from common.batching import TOKEN_FIELDS, grad_normalizers
 from tests.fp_bounds import gamma
 from tests.reference import group_advantages
 
@@ -105,6 +106,26 @@ def launch_cmd(target: str, procs: int = 2, zero3: bool = False, deepspeed_confi
         *port,
         target,
     ]
+
+
+def declared_token_fields(mod) -> frozenset:
+    """The per-token fields a script's main() declares to make_batch (its fifth argument: a list, or a name bound to
+    one), with the shared ones: what a hand-built batch for its update_policy holds as `token_fields`."""
+    tree = ast.parse(inspect.getsource(mod))
+    lists = {
+        t.id: n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.List)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "make_batch"]
+    assert calls, f"{mod.__name__} never calls make_batch"
+    args = calls[0].args
+    if len(args) < 5:
+        return frozenset(TOKEN_FIELDS)
+    fields = lists[args[4].id] if isinstance(args[4], ast.Name) else args[4]
+    return frozenset(TOKEN_FIELDS + tuple(ast.literal_eval(fields)))
 
 
 def assert_micro_batches_add_up(

@@ -65,7 +65,7 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
     from transformers import AutoModelForCausalLM
 
     from common.logprobs import TokenLogProbs
-    from tests.checks import script_advantages
+    from tests.checks import declared_token_fields, script_advantages
 
     mod = importlib.import_module(script)
     stale = overrides.get("stale", "0") == "1"
@@ -132,6 +132,7 @@ def run_job(accelerator, out_dir: str, model_dir: str, script: str, micro: int, 
         assert len(sampled) == 2 * len(prompts) and all(0 < len(c.token_ids) <= 3 + 2 * rank for c in sampled)
     share = slice(rank * n // world, (rank + 1) * n // world)  # whole groups, as in the scripts' rollouts
     batch, rewards, g = fixed_rollout(share, n)
+    batch["token_fields"] = declared_token_fields(mod)
     if stale:
         batch["old_logps"], batch["sampler_logps"] = old_logps[share], sampler_logps[share]
     if getattr(args, "beta", 0) > 0:  # a fixed reference for the KL term

@@ -21,6 +21,7 @@ from tests.checks import (
     assert_loss_matches_reference,
     assert_micro_batches_add_up,
     assert_standardised_advantages,
+    declared_token_fields,
 )
 from tests.reference import k3
 
@@ -435,6 +436,7 @@ def test_update_policy_selects_once_per_mini_batch_whatever_the_micro_batches(mo
             "advantages": adv,
             "lens": [(p_len, int(k)) for k in lengths],
             "old_logps": policy.theta.detach()[ids[:, p_len:]],
+            "token_fields": declared_token_fields(clip_cov),
         }
         args = clip_cov.Args(
             cov_form=form,

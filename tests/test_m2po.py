@@ -21,6 +21,7 @@ from tests.checks import (
     assert_loss_matches_reference,
     assert_micro_batches_add_up,
     assert_standardised_advantages,
+    declared_token_fields,
 )
 from tests.reference import k3
 
@@ -313,6 +314,7 @@ def update_batch(seed=3, n=8, p_len=2, c_len=5):
         "lens": [(p_len, int(k)) for k in lengths],
         "sampler_logps": sampler,
         "old_logps": own,
+        "token_fields": declared_token_fields(m2po),
     }
 
 

@@ -431,7 +431,7 @@ def test_save_checkpoint_refuses_a_prepared_model_it_is_not_given():
     from common.run import save_checkpoint
 
     policy, critic = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
-    run = SimpleNamespace(accelerator=SimpleNamespace(_models=[policy, critic]))
+    run = SimpleNamespace(accelerator=SimpleNamespace(_models=[policy, critic], unwrap_model=lambda m: m))
     with pytest.raises(RuntimeError, match=r"2 prepared models, named \['policy'\]"):
         save_checkpoint(run, policy, None, None, None, 1)
     with pytest.raises(RuntimeError, match="named \\['policy', 'critic'\\]"):

@@ -19,6 +19,7 @@ from tests.checks import (
     SingleProcess,
     TablePolicy,
     assert_grad_matches_finite_differences,
+    declared_token_fields,
     run_scripts,
 )
 from tests.reference import aggregate, ppo_clip_token
@@ -142,6 +143,7 @@ def test_update_policy_in_micro_batches_gives_the_whole_mini_batchs_step():
     batch = {"ids": ids, "attn": torch.cat([torch.ones(n, p, dtype=torch.long), mask], 1), "mask": mask, "p_len": p}
     batch.update(lens=[(p, int(k)) for k in lens], advantages=torch.randn(n, c, generator=g, dtype=F64))
     batch["positive"] = torch.tensor([1.0, 0, 1, 1, 0, 0, 1, 0], dtype=F64)
+    batch["token_fields"] = declared_token_fields(vapo)
     steps = []
     for micro in (8, 3):
         args = make_args(micro_batch_size=micro, micro_batch_tokens=0, max_grad_norm=1e9)
