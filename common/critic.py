@@ -151,7 +151,9 @@ def build_critic(path: str, args: CriticArgs) -> TokenValues:
 def save_critic(accelerator, critic, path: str) -> None:
     """Writes the prepared `critic` to `path` as a Hugging Face model (the module docstring says which). Every rank
     calls it (gathering sharded weights is collective); the main process writes."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
 
     from common.sampling import iter_weight_buckets
 
@@ -165,22 +167,21 @@ def save_critic(accelerator, critic, path: str) -> None:
     config = copy.deepcopy(values.backbone.config)
     config.use_cache = True
     classifier = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    # the files written directly, no model built: under ZeRO-3 building or saving one is a collective call that the
+    # other ranks, already returned, would never join
     if classifier is None:
-        from safetensors.torch import save_file
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
         config.architectures = [MODEL_MAPPING[type(config)].__name__]
-        with torch.device("meta"):
-            model = MODEL_MAPPING[type(config)](config)
-        model.save_pretrained(path, state_dict=decoder)
+        state = decoder
+    else:
+        config.num_labels, config.id2label, config.label2id = 1, {0: "value"}, {"value": 0}
+        config.architectures = [classifier.__name__]
+        state = {f"{classifier.base_model_prefix}.{k}": v for k, v in decoder.items()}
+        state["score.weight"] = weights["value_head.weight"]
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, path)
+    if classifier is None:
         save_file({"weight": weights["value_head.weight"].contiguous()}, os.path.join(path, VALUE_HEAD_FILE))
-        return
-    config.num_labels, config.id2label, config.label2id = 1, {0: "value"}, {"value": 0}
-    config.architectures = [classifier.__name__]
-    with torch.device("meta"):
-        model = classifier(config)
-    state = {f"{model.base_model_prefix}.{k}": v for k, v in decoder.items()}
-    model.save_pretrained(path, state_dict={**state, "score.weight": weights["value_head.weight"]})
 
 
 def load_critic(args: CriticArgs, accelerator):

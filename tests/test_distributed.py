@@ -266,6 +266,13 @@ def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
     if script == "ppo":  # the critic's engine trained and was saved beside the policy's
         assert any(r["train/critic_grad_norm"] > 0 for r in rows)
         assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_2", "state", "pytorch_model_1"))
+        from transformers import AutoModelForSequenceClassification
+
+        critic = AutoModelForSequenceClassification.from_pretrained(
+            os.path.join(run_dir, "checkpoints", "step_2", "critic")
+        )
+        assert critic.score.weight.shape == (1, critic.config.hidden_size)  # gathered: ZeRO-3's shards are empty
+        assert critic.score.weight.abs().sum() > 0  # the head starts at zero: the critic's updates were saved
     from safetensors.torch import load_file
 
     saved = load_file(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
