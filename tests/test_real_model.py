@@ -198,12 +198,15 @@ def test_scripts_run_on_the_real_model(script, sampler, smol, out_dir):
 
 
 def test_the_readmes_cpu_command_runs_as_written(smol, out_dir):
-    """README's main CPU job, word for word (examples/smollm2_cpu.sh), with SMOL pointed at the test's copy and a
-    smaller budget appended (later flags win): a renamed flag or path in the README or the example fails here."""
+    """README's main CPU job: `make cpu`, whose recipe runs examples/smollm2_cpu.sh with $(ARGS) after the install;
+    the example word for word, with SMOL pointed at the test's copy and a smaller budget as ARGS would append it
+    (later flags win): a renamed target, flag or path in the README, the Makefile or the example fails here."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    command = "    bash examples/smollm2_cpu.sh\n"
-    assert command in text
+        assert "\n    make cpu " in f.read()
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        recipe = f.read().split("\ncpu: install\n", 1)[1].split("\n\n", 1)[0]
+    assert recipe.rstrip().endswith("bash examples/smollm2_cpu.sh $(ARGS)"), recipe
+    command = "bash examples/smollm2_cpu.sh"
     small = ["--total-steps", "1", "--eval-every", "1", "--eval-limit", "2", "--group-size", "2", "--prompts-per-step"]
     small += ["1", "--max-new-tokens", "8", "--eval-max-new-tokens", "8", "--output-dir", str(out_dir)]
     proc = subprocess.run(

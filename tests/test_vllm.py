@@ -145,7 +145,7 @@ def test_aborted_or_failed_requests_raise():
     for reason, ok in (("stop", True), ("length", True), ("abort", False), ("error", False)):
         sampler = object.__new__(VLLMSampler)
         sampler.seed, sampler.calls, sampler.enable_sleep_mode, sampler.stop, sampler.cpu = (0, 0, False, [], False)
-        sampler.lora_request, sampler.tool = None, None
+        sampler.lora_request, sampler.env = None, None
 
         def generate(self, reqs, params, use_tqdm, lora_request, reason=reason):
             return [Out(reason)]
