@@ -147,13 +147,26 @@ def run(script: str, flags: list[str]) -> str:
     return run_dir
 
 
+def eval_key(row: dict, stat: str) -> str:
+    """The key of the evaluation's `stat` (a regex: avg@k, a length): l1.py evaluates at several budgets
+    (eval/<data>/n<N>/...), and the largest, the nearest to the others' unconstrained prompt, is the one compared."""
+    keys = [k for k in row if k.startswith("eval/") and re.fullmatch(stat, k.split("/")[-1])]
+    return max(keys, key=lambda k: int(m.group(1)) if (m := re.search(r"/n(\d+)/", k)) else 0)
+
+
 def final_eval(run_dir: str) -> tuple[float, float]:
     """(avg@k of the last evaluation, median seconds per training step) of a run directory."""
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     evals = [r for r in rows if any("/avg@" in k for k in r)]
-    key = next(k for k in evals[-1] if "/avg@" in k)
     steps = [r["time/step"] for r in rows if "time/step" in r]
-    return evals[-1][key], statistics.median(steps) if steps else float("nan")
+    return evals[-1][eval_key(evals[-1], r"avg@\d+")], statistics.median(steps) if steps else float("nan")
+
+
+def eval_length(run_dir: str) -> float:
+    """Tokens per held-out completion at the last evaluation (response_length_mean; l1.py: its largest budget's)."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    last = [r for r in rows if any("/avg@" in k for k in r)][-1]
+    return last[eval_key(last, "(response_)?length_mean")]
 
 
 def trl_run(model: str, data: str, seed: int, out: str, a) -> tuple[str, float]:
@@ -264,13 +277,13 @@ def main() -> None:
     t0, rows, dirs = time.time(), [], []
     for task in a.task or [None]:
         base, tag, label = common_flags(a.data, a, task), slug(task), task or "word problems"
-        before = []
+        before, before_len = [], []
         for seed in seeds:  # the untrained model, evaluated as the runs are at their end
             flags = [*base, "--model-name-or-path", model, "--total-steps", "0", "--eval-every", "1"]
             run_dir = run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", f"before{tag}"])
-            before.append(final_eval(run_dir)[0])
+            before.append(final_eval(run_dir)[0]), before_len.append(eval_length(run_dir))
             print(f"{label}: before, seed {seed}: {before[-1]:.3f}", flush=True)
-        rows.append((label, "untrained", "-", before, [], before, []))
+        rows.append((label, "untrained", "-", before, [], before, [], before_len))
         for script in [x for x in a.scripts.split(",") if x]:
             for setting in a.settings.split(","):
                 inj = ["--gt-injection", "--solution-column", "solution"] if setting == "injection" else []
@@ -278,7 +291,7 @@ def main() -> None:
                 # dynamic sampling drops the groups without signal that injection acts on: the scripts that have it
                 # inject without it
                 inj += ["--no-dynamic-sampling"] if inj and script in ("dapo", "cispo") else []
-                accs, secs, lens = [], [], []
+                accs, secs, lens, elens = [], [], [], []
                 for seed in seeds:
                     name = f"{script}_{setting}{tag}"
                     flags = [*base, *PER_SCRIPT.get(script, []), *inj, "--model-name-or-path", model]
@@ -286,8 +299,12 @@ def main() -> None:
                     run_dir = run(script, [*flags, "--output-dir", out, "--exp-name", name])
                     acc, s = final_eval(run_dir)
                     accs.append(acc), secs.append(s), dirs.append(run_dir), lens.append(train_lengths(run_dir))
-                    print(f"{label}: {name}, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-                rows.append((label, script, setting, accs, secs, before, lens))
+                    elens.append(eval_length(run_dir))
+                    print(
+                        f"{label}: {name}, seed {seed}: eval {acc:.3f}, {elens[-1]:.1f} tokens, {s:.1f} s/step",
+                        flush=True,
+                    )
+                rows.append((label, script, setting, accs, secs, before, lens, elens))
     if a.trl:
         accs, secs = [], []
         for seed in [int(x) for x in (a.trl_seeds or a.seeds).split(",")]:
@@ -303,7 +320,7 @@ def main() -> None:
             acc = final_eval(run("grpo", [*flags, "--seed", str(seed), "--output-dir", out, "--exp-name", "trl"]))[0]
             accs.append(acc), secs.append(s)
             print(f"trl, seed {seed}: eval {acc:.3f}, {s:.1f} s/step", flush=True)
-        rows.append(("word problems", "TRL GRPOTrainer", "plain", accs, secs, rows[0][3], []))
+        rows.append(("word problems", "TRL GRPOTrainer", "plain", accs, secs, rows[0][3], [], []))
     import torch
 
     head = (
@@ -316,15 +333,16 @@ def main() -> None:
     )
     lines = [head, "", "| data | script | setting | eval accuracy: mean (min-max over seeds) | mean ± 95% interval |"]
     lines[-1] += " per seed | − untrained (Welch) | s/step | train tokens per completion: step 1 -> last 3 steps |"
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    for label, script, setting, accs, secs, before, lens in rows:
+    lines[-1] += " held-out tokens per completion: mean ± 95% interval |"
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for label, script, setting, accs, secs, before, lens, elens in rows:
         per = ", ".join(f"{x:.3f}" for x in accs)
         sec = f"{statistics.median(secs):.1f}" if secs else "-"
         diff = fmt(*welch(accs, before)[:2], signed=True) if script != "untrained" and len(accs) > 1 else "-"
         tokens = ", ".join(f"{x:.1f} -> {y:.1f}" for x, y in lens) or "-"
         lines.append(
             f"| {label} | {script} | {setting} | {spread(accs)} | {fmt(*mean_ci(accs))} | {per} | {diff} | {sec} |"
-            f" {tokens} |"
+            f" {tokens} | {fmt(*mean_ci(elens)) if elens else '-'} |"
         )
     table = "\n".join(lines)
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
