@@ -8,6 +8,8 @@ GRPOTrainer on the same model, data, reward and budget, side by side.
     python benchmarks/real_model.py /tmp/smol --scripts grpo --seeds 1,2 --trl                    # the README's run
     python benchmarks/real_model.py /tmp/smol --scripts grpo,sapo,gmpo,dppo,clip_cov,m2po --settings plain \
         --results real_model_new_losses.md                                                     # the newer losses
+    python benchmarks/real_model.py /tmp/smol --scripts grpo,kimi_k15,l1,long_cot --settings plain \
+        --results real_model_length.md                                                          # the length scripts
     python benchmarks/real_model.py /tmp/smol --scripts grpo --settings plain --results real_model_gym.md \
         --task reasoning-gym:chain_sum:... --task reasoning-gym:leg_counting:...              # docs/tasks.md
 
@@ -24,7 +26,8 @@ to benchmarks/results/ (--results, default real_model.md) and the curves to --pl
 With --task (repeatable) the data is a reasoning-gym task instead of the word problems (docs/tasks.md): its train
 split (--task-size rows) to train, its held-out split (--eval-limit rows) to evaluate. The table gives every row's
 mean with its 95% interval over seeds and the difference to the untrained model with Welch's interval
-(tools/compare.py's mean_ci and welch).
+(tools/compare.py's mean_ci and welch), and the tokens per completion in training and on the held-out questions
+(l1.py, which evaluates at several budgets N written into its prompts: at its largest).
 """
 
 from __future__ import annotations
