@@ -58,27 +58,28 @@ def run_scripts(runs: list[tuple[str, list[str]]], work_dir: str, env: dict, tim
     return proc, outcomes + [died] * (len(runs) - len(outcomes))
 
 
-def run_selected_cases(request, test_name: str, make_run, work_dir: str, env: dict, timeout: int = 1800):
-    """The cases of `test_name` this session runs, as script runs one after another in one process (`run_scripts`:
-    the imports and the interpreter's exit once, not per case): make_run(parameters, out_dir) gives a case's
-    (script, flags), or None to leave it out. Returns the runner's process and {case id: (out_dir, outcome)}; a test
-    reads its own with `case_run`."""
+def run_selected_cases(request, tests: dict, work_dir: str, env: dict, timeout: int = 1800):
+    """The cases this session runs of the tests in `tests`, {test name: make_run}, as script runs one after another in
+    one process (`run_scripts`: the imports and the interpreter's exit once, not per case): make_run(parameters,
+    out_dir) gives a case's (script, flags), or None to leave it out. Returns the runner's process and {(test name,
+    case id): (out_dir, outcome)}; a test reads its own with `case_run`."""
     runs, dirs = [], {}
-    for case, params in selected_cases(request, test_name).items():
-        out = os.path.join(work_dir, case)
-        run = make_run(params, out)
-        if run is not None:
-            runs.append(run)
-            dirs[case] = out
+    for test_name, make_run in tests.items():
+        for case, params in selected_cases(request, test_name).items():
+            out = os.path.join(work_dir, f"{test_name[5:40]}-{case}")
+            run = make_run(params, out)
+            if run is not None:
+                runs.append(run)
+                dirs[test_name, case] = out
     proc, outcomes = run_scripts(runs, work_dir, env, timeout)
-    return proc, {case: (out, outcome) for (case, out), outcome in zip(dirs.items(), outcomes)}
+    return proc, {key: (out, outcome) for (key, out), outcome in zip(dirs.items(), outcomes)}
 
 
 def case_run(request, runs) -> str:
     """This case's output directory from `run_selected_cases`' result, after checking its run ended normally and,
     when every run did, that the runner's output holds no traceback (an engine's shutdown, say)."""
     proc, cases = runs
-    out, outcome = cases[request.node.callspec.id]
+    out, outcome = cases[request.node.originalname, request.node.callspec.id]
     assert outcome is None, outcome
     if all(o is None for _, o in cases.values()):  # else the failed run's traceback is there
         assert "Traceback" not in proc.stderr, proc.stderr[-4000:]

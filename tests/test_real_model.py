@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from common.sampling import HFSampler, vllm_available
+from tests.checks import case_run, run_selected_cases
 from tests.real_model_worker import R1_PROMPT, chat_prompts
 from tests.test_scripts import ROOT, SCRIPTS, read_metrics
 from tests.test_vllm import env
@@ -158,43 +159,57 @@ REAL_SCRIPTS = SCRIPTS if os.environ.get("REAL_MODEL_ALL_SCRIPTS") else ("grpo",
 REAL_CASES = [(s, "vllm") for s in SCRIPTS if s in REAL_SCRIPTS] + [("grpo", "hf")]
 
 
+REAL_TEST = "test_scripts_run_on_the_real_model"
+
+
+@pytest.fixture(scope="module")
+def real_runs(request, smol, tmp_path_factory):
+    """The cases of the test below that this session runs, one after another in one process (vLLM's import once:
+    tests.checks.run_selected_cases); each test deletes its run's checkpoint (~2 GB), and this the rest after."""
+
+    def make_run(case, out):
+        script, sampler = case["script"], case["sampler"]
+        flags = {
+            "model-name-or-path": smol["model"],
+            "dataset-name": smol["train"],
+            "prompt-column": "question",
+            "answer-column": "answer",
+            "prompt-template": "qwen-boxed",
+            "group-size": 2,
+            "prompts-per-step": 2,
+            "max-new-tokens": 12,
+            "learning-rate": 1e-5,
+            "total-steps": 2,
+            "sampler": sampler,
+            "vllm-gpu-memory-utilization": 0.02,
+            "output-dir": out,
+            "save-every": 0,
+            "log-samples-every": 1,
+            "reward-format": "any",  # 12 tokens rarely reach a box; any keeps some groups with signal
+        }
+        one_round = {"max-gen-batches": 1, "num-mini-batches": 1}  # 4 completions a step: one refill, one update
+        extra = {"grpo": {"beta": 0.04}, "dapo": one_round, "cispo": one_round, "dr_grpo": {"num-mini-batches": 1}}
+        extra.update({s: {"num-mini-batches": 2} for s in ("sapo", "gmpo", "dppo", "clip_cov")})  # their 8: > 4 rows
+        flags.update(extra.get(script, {}))
+        return script, [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+    work = tmp_path_factory.mktemp("real_runs")
+    yield run_selected_cases(request, {REAL_TEST: make_run}, str(work), env())
+    for checkpoints in glob.glob(os.path.join(work, "*", "*", "checkpoints")):
+        shutil.rmtree(checkpoints)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,sampler", REAL_CASES)
-def test_scripts_run_on_the_real_model(script, sampler, smol, out_dir):
-    flags = {
-        "model-name-or-path": smol["model"],
-        "dataset-name": smol["train"],
-        "prompt-column": "question",
-        "answer-column": "answer",
-        "prompt-template": "qwen-boxed",
-        "group-size": 2,
-        "prompts-per-step": 2,
-        "max-new-tokens": 12,
-        "learning-rate": 1e-5,
-        "total-steps": 2,
-        "sampler": sampler,
-        "vllm-gpu-memory-utilization": 0.02,
-        "output-dir": str(out_dir),
-        "save-every": 0,
-        "log-samples-every": 1,
-        "reward-format": "any",  # 12 tokens rarely reach a box; any keeps some groups with signal
-    }
-    one_round = {"max-gen-batches": 1, "num-mini-batches": 1}  # 4 completions a step: one refill, one update
-    extra = {"grpo": {"beta": 0.04}, "dapo": one_round, "cispo": one_round, "dr_grpo": {"num-mini-batches": 1}}
-    extra.update({s: {"num-mini-batches": 2} for s in ("sapo", "gmpo", "dppo", "clip_cov")})  # their 8: > 4 rows
-    flags.update(extra.get(script, {}))
-    args = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
-    proc = subprocess.run(
-        [sys.executable, f"{script}.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    (run_dir,) = glob.glob(os.path.join(out_dir, f"{script}__1__*"))
+def test_scripts_run_on_the_real_model(script, sampler, real_runs, request):
+    (run_dir,) = glob.glob(os.path.join(case_run(request, real_runs), f"{script}__1__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
         sample = json.loads(f.readline())
     assert "<|im_start|>assistant" in sample["prompt"]  # the real chat template, not a bare question
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"))
 
 
 def test_the_readmes_cpu_command_runs_as_written(smol, out_dir):

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from common.sampling import Completion, VLLMSampler, vllm_available
-from tests.checks import launch_cmd
+from tests.checks import case_run, launch_cmd, run_selected_cases
 from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
 
 if torch.cuda.is_available():  # these check the fp32 CPU engine; on GPUs the engine is bf16 (gpu-marked tests)
@@ -167,15 +167,50 @@ def test_aborted_or_failed_requests_raise():
 VLLM_LOOP_SCRIPTS = [s for s in SCRIPTS if s in ("grpo", "dapo", "lite_ppo", "dppo")]
 
 
+# The line that pushes the weights after the optimizer step, identical in every script.
+SYNC = "        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy\n"
+UPDATE = "            stats = update_policy("
+EVERY_SCRIPT = "test_every_script_trains_with_the_vllm_sampler"
+CANARY = "test_the_canary_catches_a_missing_or_misplaced_sync"
+
+
+def mutated_grpo(mutation: str, path: str) -> str:
+    """grpo.py with its sync deleted ("skipped"), or moved before the update, written to `path`."""
+    source = open(os.path.join(ROOT, "grpo.py")).read()
+    assert source.count(SYNC) == 1 and source.count(UPDATE) == 1
+    mutated = source.replace(SYNC, "")
+    if mutation == "before_the_optimizer_step":
+        at = mutated.index(UPDATE)
+        mutated = mutated[:at] + SYNC.replace("        ", "            ", 1) + mutated[at:]
+    with open(path, "w") as f:
+        f.write(mutated)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loop_runs(request, vllm_assets, tmp_path_factory):
+    """The runs of the two tests below that this session runs, one after another in one process (each with its own
+    engine): vLLM's import, ~10 s on 2 cores, once for all of them (tests.checks.run_selected_cases)."""
+    work = str(tmp_path_factory.mktemp("loop"))
+
+    def every_script(case, out):
+        extra = {**LEARN_FLAGS[case["script"]], "exp-name": "v"}  # the toy task's flags (Dr. GRPO keeps truncated)
+        return case["script"], vllm_flags(vllm_assets, out, 4, **extra)
+
+    def canary(case, out):
+        script = mutated_grpo(case["mutation"], os.path.join(work, f"grpo_{case['mutation']}.py"))
+        return script, vllm_flags(vllm_assets, out, 4, **{"exp-name": "m"})
+
+    return run_selected_cases(request, {EVERY_SCRIPT: every_script, CANARY: canary}, work, env())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", VLLM_LOOP_SCRIPTS)
-def test_every_script_trains_with_the_vllm_sampler(script, vllm_assets, tmp_path):
+def test_every_script_trains_with_the_vllm_sampler(script, loop_runs, request):
     """A few steps with --sampler vllm: the canary (sampler log-probs against the trainer's, on the rollout the update
     trains on) stays below LOGPROB_ATOL at every step that trained, so each step's sync reached the engine, and the
     rollout correction's weights are 1."""
-    extra = {**LEARN_FLAGS[script], "exp-name": "v"}  # the toy task's flags (e.g. Dr. GRPO keeps truncated rewards)
-    run([sys.executable, os.path.join(ROOT, f"{script}.py"), *vllm_flags(vllm_assets, tmp_path, 4, **extra)])
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "v__*"))
+    (run_dir,) = glob.glob(os.path.join(case_run(request, loop_runs), "v__*"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert_canary(rows, min_updates=2)
@@ -193,26 +228,12 @@ def test_every_script_trains_with_the_vllm_sampler(script, vllm_assets, tmp_path
     assert weights and all(abs(w - 1) < LOGPROB_ATOL for w in weights), weights
 
 
-# The line that pushes the weights after the optimizer step, identical in every script.
-SYNC = "        sampler.update_weights(accelerator.unwrap_model(policy).lm)  # the next rollout's policy\n"
-UPDATE = "            stats = update_policy("
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["skipped", "before_the_optimizer_step"])
-def test_the_canary_catches_a_missing_or_misplaced_sync(mutation, vllm_assets, tmp_path):
+def test_the_canary_catches_a_missing_or_misplaced_sync(mutation, loop_runs, request):
     """grpo.py with its sync deleted, or moved before the update: the canary then exceeds STALE, so the threshold
     that every real run passes (above) would fail."""
-    source = open(os.path.join(ROOT, "grpo.py")).read()
-    assert source.count(SYNC) == 1 and source.count(UPDATE) == 1
-    mutated = source.replace(SYNC, "")
-    if mutation == "before_the_optimizer_step":
-        at = mutated.index(UPDATE)
-        mutated = mutated[:at] + SYNC.replace("        ", "            ", 1) + mutated[at:]
-    path = tmp_path / "grpo_mutated.py"
-    path.write_text(mutated)
-    run([sys.executable, str(path), *vllm_flags(vllm_assets, tmp_path, 4, **{"exp-name": "m"})])
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "m__*"))
+    (run_dir,) = glob.glob(os.path.join(case_run(request, loop_runs), "m__*"))
     measured = [r["train/logprob_diff_max"] for r in read_metrics(run_dir) if "train/logprob_diff_max" in r]
     assert max(measured) > STALE, measured
 
