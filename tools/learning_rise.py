@@ -6,10 +6,14 @@ answers correctly than the nearly untrained one of the first 10 steps (tests/tes
 
 One line per run (its directory name, the two means of train/accuracy and the rise), then the lowest and highest
 rise. Runs of other lengths are measured the same way: the first 10 steps, and the steps from half of the run on.
+`--steps T` measures each run as if it had stopped after T steps (its first T rows): a toy run's schedule does not
+depend on its length, so a run of T steps logs exactly these rows, and one long sweep tells how short a test may be.
+`--key` measures another metric (the game's env/success_frac).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,14 +27,19 @@ def rise(accuracy: list[float]) -> tuple[float, float, float]:
     return untrained, trained, trained - untrained
 
 
-def main(run_dirs: list[str]) -> None:
-    if not run_dirs:
-        sys.exit("usage: python tools/learning_rise.py RUN_DIR [RUN_DIR ...]")
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="the learning test's rise of each run directory")
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--steps", type=int, default=0, help="measure the first STEPS rows only (0: all)")
+    parser.add_argument("--key", default="train/accuracy")
+    args = parser.parse_args(argv)
     rises = []
-    for run_dir in run_dirs:
+    for run_dir in args.run_dirs:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            accuracy = [row["train/accuracy"] for row in map(json.loads, f) if "train/accuracy" in row]
-        untrained, trained, r = rise(accuracy)
+            accuracy = [row[args.key] for row in map(json.loads, f) if args.key in row]
+        if args.steps and len(accuracy) < args.steps:
+            sys.exit(f"{run_dir}: {len(accuracy)} steps logged, fewer than --steps {args.steps}")
+        untrained, trained, r = rise(accuracy[: args.steps or None])
         rises.append(r)
         print(f"{os.path.basename(os.path.normpath(run_dir)):40s} {untrained:.3f} -> {trained:.3f}  rise {r:+.3f}")
     print(f"{len(rises)} runs: rise {min(rises):+.3f} to {max(rises):+.3f}")
