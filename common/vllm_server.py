@@ -285,6 +285,21 @@ class _SyncClient:
         self.call("post", "finish_weight_update", "finishing a weight push")
 
 
+def closed_before_answering(error: BaseException) -> bool:
+    """Whether a request failed because the server closed its connection without answering: a kept-alive connection
+    from the session's pool that the server (uvicorn: after 5 idle seconds) closed just as the request went out. The
+    server saw no request, so it goes again once, on a fresh connection (urllib3 retries such a request only for
+    idempotent methods; generation is a POST)."""
+    from http.client import RemoteDisconnected
+
+    while error is not None:
+        if isinstance(error, RemoteDisconnected):
+            return True
+        nested = [a for a in error.args if isinstance(a, BaseException)]
+        error = nested[-1] if nested else error.__cause__
+    return False
+
+
 class ServerError(SystemExit):
     """A call to the server failed or timed out: one line naming the server and what the trainer was doing."""
 
@@ -339,10 +354,14 @@ class ServerSampler:
     def _call(self, method: str, path: str, doing: str, body=None, params=None):
         import requests
 
-        try:
-            r = self.http.request(method, f"{self.url}/{path}", json=body, params=params, timeout=self.timeout)
-        except requests.RequestException as e:
-            raise ServerError(f"--vllm-server-host {self.url}: {doing} failed: {type(e).__name__}: {e}") from None
+        for attempt in (1, 2):
+            try:
+                r = self.http.request(method, f"{self.url}/{path}", json=body, params=params, timeout=self.timeout)
+                break
+            except requests.RequestException as e:
+                if attempt == 1 and closed_before_answering(e):  # a pooled connection the server closed when idle
+                    continue
+                raise ServerError(f"--vllm-server-host {self.url}: {doing} failed: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
             raise ServerError(f"--vllm-server-host {self.url}: {doing} failed: HTTP {r.status_code}: {r.text[:200]}")
         return r.json() if r.content else None

@@ -12,6 +12,7 @@ timeout.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import signal
@@ -234,6 +235,41 @@ def test_a_server_that_dies_mid_run_ends_it_with_one_line_and_a_checkpoint(vllm_
     newest = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*")))[-1]
     assert os.path.exists(os.path.join(newest, "trainer.json"))
     AutoModelForCausalLM.from_pretrained(os.path.join(newest, "model"))
+
+
+def test_a_connection_closed_before_any_answer_is_tried_once_more():
+    """A kept-alive connection the server closes while idle (uvicorn does after 5 s) can take the next request and
+    drop it unanswered; the sampler sends it once more, on a fresh connection. A server that drops every request
+    still ends the run with the one-line error, after two tries."""
+    import requests
+
+    from common.vllm_server import ServerError, ServerSampler
+
+    def serve(listener, drops: int, seen: list):
+        for i in itertools.count():
+            conn, _ = listener.accept()
+            with conn:
+                seen.append(conn.recv(65536).split(b" ")[1])
+                if i >= drops:  # an answer, then the server closes this connection too
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n")
+                    conn.sendall(b'{"ok": "y"}')
+
+    for drops, want in ((1, {"ok": "y"}), (99, None)):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        seen = []
+        threading.Thread(target=serve, args=(listener, drops, seen), daemon=True).start()
+        sampler = object.__new__(ServerSampler)  # the HTTP part alone: no model to read
+        sampler.url, sampler.timeout = f"http://127.0.0.1:{listener.getsockname()[1]}", 10
+        sampler.http = requests.Session()
+        if want is not None:
+            assert sampler._call("post", "inference/v1/generate", "generating", body={}) == want
+        else:
+            with pytest.raises(ServerError, match="generating failed: ConnectionError"):
+                sampler._call("post", "inference/v1/generate", "generating", body={})
+        assert seen == [b"/inference/v1/generate"] * 2  # one try more, no more
+        listener.close()
 
 
 def test_a_server_that_never_answers_gives_the_timeout_line(toy_assets, tmp_path):
