@@ -10,9 +10,11 @@ import inspect
 import itertools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 
 import torch
@@ -25,11 +27,19 @@ MICRO_CHUNKS = (slice(0, 5), slice(5, 7), slice(7, 12))  # uneven micro-batches 
 PPO_CLIP_STATS = ("clip_frac_low", "clip_frac_high", "approx_kl")  # the token means every PPO-clip loss reports
 
 
+GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    """A free TCP port on the loopback interface, for a launcher's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on the loopback interface, for a launcher's rendezvous; never one this session was given
+    before, so launches that start side by side get different ones."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in GIVEN_PORTS:
+            GIVEN_PORTS.add(port)
+            return port
 
 
 def selected_cases(request, test_name: str) -> dict[str, dict]:
@@ -73,6 +83,35 @@ def run_selected_cases(request, tests: dict, work_dir: str, env: dict, timeout: 
                 dirs[test_name, case] = out
     proc, outcomes = run_scripts(runs, work_dir, env, timeout)
     return proc, {key: (out, outcome) for (key, out), outcome in zip(dirs.items(), outcomes)}
+
+
+def run_side_by_side(
+    jobs: dict[str, tuple[list[str], dict]], work_dir: str, at_once: int = 2, timeout: float = 600
+) -> dict[str, tuple[int, str, str]]:
+    """Runs {key: (command, environment)} from the repository's root, `at_once` at a time, each in its own session
+    with its output in files under `work_dir`: {key: (exit code, stdout, stderr)}, -9 for one killed at `timeout`.
+    Launches spend much of their time in one thread (imports, process groups, engines), which a second launch
+    beside them fills; for tests whose runs are separate processes anyway."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pending, running, done = list(jobs.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < at_once:
+            key, (cmd, env) = pending.pop(0)
+            out, err = (open(os.path.join(work_dir, f"{key}.{x}"), "w") for x in ("out", "err"))
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err, start_new_session=True)
+            running[key] = (proc, out, err, time.monotonic())
+        for key, (proc, out, err, start) in list(running.items()):
+            if proc.poll() is None and time.monotonic() - start < timeout:
+                continue
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for f in (out, err):
+                f.close()
+            done[key] = (proc.returncode, open(out.name).read(), open(err.name).read())
+            del running[key]
+        time.sleep(0.2)
+    return done
 
 
 def case_run(request, runs) -> str:

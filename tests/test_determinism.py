@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.checks import launch_cmd
+from tests.checks import launch_cmd, run_side_by_side
 from tests.test_scripts import ROOT, read_metrics, toy_flags
 
 EVAL = {
@@ -28,12 +28,11 @@ EVAL = {
 }
 
 
-def train(cmd: list[str], hash_seed: str, threads: int) -> None:
-    """Runs `cmd` to completion with PYTHONHASHSEED `hash_seed` and `threads` CPU threads per process."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as tests/test_vllm.py's env()
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", PYTHONHASHSEED=hash_seed)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def env(hash_seed: str, threads: int) -> dict[str, str]:
+    """A run's environment: PYTHONHASHSEED `hash_seed`, `threads` CPU threads per process."""
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as tests/test_vllm.py's env()
+    return {**base, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONHASHSEED": hash_seed}  # fmt: skip
 
 
 def without_time(rows: list[dict]) -> str:
@@ -51,10 +50,16 @@ def test_same_seed_and_flags_give_the_same_metrics(sampler, procs, toy_assets, v
 
         extra, assets = {**extra, **VLLM_FLAGS}, vllm_assets
     script = os.path.join(ROOT, "grpo.py")
-    runs, recorded = [], []
+    # The two runs side by side (tests.checks.run_side_by_side): neither has the cores to itself, so a result that
+    # depended on timing would differ too
+    jobs = {}
     for name, hash_seed in (("a", "1"), ("b", "2")):
         cmd = launch_cmd(script, procs) if procs > 1 else [sys.executable, script]
-        train([*cmd, *toy_flags(assets, str(tmp_path / name), 4, **extra)], hash_seed, threads=2 // procs)
+        jobs[name] = ([*cmd, *toy_flags(assets, str(tmp_path / name), 4, **extra)], env(hash_seed, 2 // procs))
+    results, runs, recorded = run_side_by_side(jobs, str(tmp_path)), [], []
+    for name in ("a", "b"):
+        code, out, err = results[name]
+        assert code == 0, out[-3000:] + err[-3000:]
         (run_dir,) = glob.glob(os.path.join(tmp_path, name, "det__3__*"))
         runs.append(read_metrics(run_dir))
         with open(os.path.join(run_dir, "args.json")) as f:

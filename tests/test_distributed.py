@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import launch_cmd, script_advantages, selected_cases
+from tests.checks import launch_cmd, run_side_by_side, script_advantages, selected_cases
 from tests.dist_worker import job_file
 from tests.test_scripts import SCRIPTS, read_metrics, toy_flags
 
@@ -24,9 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 
 
-def run_worker(out_dir, model, procs, jobs, zero3=False, fsdp2=False):
-    """One launch of tests/dist_worker.py on `procs` processes for `jobs`, [(script, micro-batch size, overrides)]:
-    the finished process (its gradients are in `out_dir`, read by `load_grad`)."""
+def worker_launch(out_dir, model, procs, jobs, zero3=False, fsdp2=False) -> tuple[list[str], dict]:
+    """The command and environment of one launch of tests/dist_worker.py on `procs` processes for `jobs`, [(script,
+    micro-batch size, overrides)]; it writes their gradients into `out_dir` (read by `load_grad`)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     if zero3:  # accelerate's DeepSpeed launcher, as a user runs configs/zero3.yaml, on CPU
         ds = os.path.join(out_dir, "ds.json")  # persistence threshold 0: every parameter really is partitioned
@@ -54,7 +54,14 @@ def run_worker(out_dir, model, procs, jobs, zero3=False, fsdp2=False):
         cmd = launch_cmd(WORKER, procs)
     cmd += [str(out_dir), model] + ["fsdp2=1"] * fsdp2
     cmd += [",".join([s, str(micro), *(f"{k}={v}" for k, v in kw.items())]) for s, micro, kw in jobs]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return cmd, env
+
+
+def run_launches(launches: dict, out_dir) -> dict[str, SimpleNamespace]:
+    """{key: (command, environment)} of `worker_launch`, two side by side (tests.checks.run_side_by_side: process and
+    process-group starts are most of a launch's time, in one thread): {key: its output, for `load_grad`}."""
+    done = run_side_by_side(launches, str(out_dir), timeout=900)
+    return {key: SimpleNamespace(returncode=c, stdout=o, stderr=e) for key, (c, o, e) in done.items()}
 
 
 def load_grad(out_dir, script, procs, micro, kw, zero3=False, fsdp2=False, launch=None):
@@ -101,8 +108,9 @@ GLOBAL_NORM = "test_reinforce_pp_normalises_over_every_rank"
 @pytest.fixture(scope="module")
 def gradients(request, toy_assets, tmp_path_factory):
     """The gradients of the cases of the test below that this session runs, and grpo's on 1 process, in three
-    launches of the worker (1 process, 2, 2 with FSDP2) instead of ~4 per case: process and process-group starts
-    are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient file's contents."""
+    launches of the worker (1 process, 2, 2 with FSDP2; two side by side) instead of ~4 per case: process and
+    process-group starts are most of a job's time. (launch key, script, micro-batch size, overrides) -> gradient
+    file's contents."""
     cases = [(c["script"], c["kw"]) for c in selected_cases(request, SAME_GRADIENT).values()]
     norm_test = any(getattr(it, "originalname", "") == GLOBAL_NORM for it in request.session.items)
     if norm_test and REINFORCE_PP not in cases and "reinforce_pp" in SCRIPTS:
@@ -120,7 +128,8 @@ def gradients(request, toy_assets, tmp_path_factory):
     for key, jobs in plan.items():
         jobs = [job for i, job in enumerate(jobs) if job not in jobs[:i]]
         if jobs:
-            launches[key] = run_worker(out, toy_assets["model"], 1 if key == "1" else 2, jobs, fsdp2=key == "FSDP2")
+            launches[key] = worker_launch(out, toy_assets["model"], 1 if key == "1" else 2, jobs, fsdp2=key == "FSDP2")
+    launches = run_launches(launches, out)
 
     def load(key, script, micro, kw):
         procs = 1 if key == "1" else 2
@@ -201,19 +210,32 @@ def test_micro_batches_hold_every_row_once_within_the_token_budget_and_the_row_c
             assert len(plan) > 1 and (cap > 3 or max(len(gr) for gr, _, _ in plan) == 3)  # the cap binds when small
 
 
+ZERO3_UPDATE = "test_zero3_gives_the_same_update"
+
+
+@pytest.fixture(scope="module")
+def zero3_gradients(request, toy_assets, tmp_path_factory):
+    """The ZeRO-3 launches of the test below that this session runs (one per micro-batch size, grpo's and ppo.py's
+    jobs in each), side by side: (out_dir, {micro: launch})."""
+    pytest.importorskip("deepspeed")
+    out, launches = tmp_path_factory.mktemp("zero3_update"), {}
+    for params in selected_cases(request, ZERO3_UPDATE).values():
+        jobs = [(s, params["micro"], {}) for s in ("grpo", "ppo") if s in SCRIPTS]
+        launches[str(params["micro"])] = worker_launch(out, toy_assets["model"], 2, jobs, zero3=True)
+    return out, {int(k): launch for k, launch in run_launches(launches, out).items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("micro", [16, 3])
-def test_zero3_gives_the_same_update(micro, gradients, toy_assets, tmp_path):
+def test_zero3_gives_the_same_update(micro, gradients, zero3_gradients):
     """DeepSpeed ZeRO-3 on 2 CPU processes (every parameter partitioned, the tied output weight used outside its
     module, k micro-batches per optimizer step) gives the update of 1 process without DeepSpeed; so does ppo.py's,
     policy and critic: two engines, the critic's driven by its own backward and step (common/critic.py), in the same
     launch."""
-    pytest.importorskip("deepspeed")
-    jobs = [(s, micro, {}) for s in ("grpo", "ppo") if s in SCRIPTS]
-    launch = run_worker(tmp_path, toy_assets["model"], 2, jobs, zero3=True)
-    for script, _, _ in jobs:
+    out, launches = zero3_gradients
+    for script in [s for s in ("grpo", "ppo") if s in SCRIPTS]:
         whole = gradients("1", script, 16, {})
-        zero3 = load_grad(tmp_path, script, 2, micro, {}, zero3=True, launch=launch)
+        zero3 = load_grad(out, script, 2, micro, {}, zero3=True, launch=launches[micro])
         assert zero3["world_size"] == 2 and zero3["type"] == "DistributedType.DEEPSPEED"
         assert set(zero3["grad"]) == set(whole["grad"])
         # DeepSpeed trains the fp64 toy model in fp32. Each gradient entry is ~10 sums deep (2 layers' matmuls,
@@ -230,35 +252,52 @@ def test_zero3_gives_the_same_update(micro, gradients, toy_assets, tmp_path):
 ZERO3_SCRIPTS = [s for s in SCRIPTS if s in ("grpo", "dapo", "cispo", "daro", "clip_cov", "m2po", "ppo")]
 
 
+ZERO3_TEST = "test_zero3_run_trains_and_saves_full_weights"
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(request, toy_assets, tmp_path_factory):
+    """The launches of the test below that this session runs, two side by side (tests.checks.run_side_by_side: a
+    DeepSpeed launch spends most of its ~13 s importing and setting up in one thread per process): {script: (exit
+    code, stdout, stderr, output directory)}."""
+    pytest.importorskip("deepspeed")
+    work = tmp_path_factory.mktemp("zero3")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    jobs = {}
+    for params in selected_cases(request, ZERO3_TEST).values():
+        script = params["script"]
+        flags = toy_flags(
+            toy_assets,
+            str(work / script),
+            2,
+            # --reward-workers 0: scored in this process, so a worker that starts or answers slowly on a busy machine
+            # (a wall-clock limit) cannot turn a correct answer into a timeout's 0, which can leave dapo.py's dynamic
+            # sampling without an informative group and the run without an update
+            **{"save-every": 2, "exp-name": "z3", "micro-batch-size": 16, "reward-workers": 0},
+            # GRPO with its sharded reference model; Dr. GRPO keeps truncated rewards (the toy never emits EOS);
+            # ppo.py too, with 512 samples (at the toy's ~1.5% accuracy a correct one, and so a signal, is all but
+            # certain: the critic starts at V = 0, so without any reward nothing would move) and one critic step
+            # per rollout
+            **{
+                "grpo": {"beta": 0.01},
+                "dr_grpo": {"truncated-reward": "keep"},
+                "ppo": {"truncated-reward": "keep", "prompts-per-step": 32, "critic-num-mini-batches": 1},
+            }.get(script, {}),
+        )
+        jobs[script] = ([*launch_cmd(os.path.join(ROOT, f"{script}.py"), zero3=True), *flags], env)
+    results = run_side_by_side(jobs, str(work))
+    return {script: (*result, str(work / script)) for script, result in results.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ZERO3_SCRIPTS)
-def test_zero3_run_trains_and_saves_full_weights(script, toy_assets, tmp_path):
+def test_zero3_run_trains_and_saves_full_weights(script, zero3_runs, toy_assets):
     """A script under `accelerate launch --use_deepspeed --zero_stage 3` on 2 CPU processes, with a ZeRO-3
     sharded reference model: one run directory, real updates, and a checkpoint with the full weights."""
-    pytest.importorskip("deepspeed")
-    flags = toy_flags(
-        toy_assets,
-        str(tmp_path),
-        2,
-        # --reward-workers 0: scored in this process, so a worker that starts or answers slowly on a busy machine (a
-        # wall-clock limit) cannot turn a correct answer into a timeout's 0, which can leave dapo.py's dynamic
-        # sampling without an informative group and the run without an update
-        **{"save-every": 2, "exp-name": "z3", "micro-batch-size": 16, "reward-workers": 0},
-        # GRPO with its sharded reference model; Dr. GRPO keeps truncated rewards (the toy never emits EOS); ppo.py
-        # too, with 512 samples (at the toy's ~1.5% accuracy a correct one, and so a signal, is all but certain: the
-        # critic starts at V = 0, so without any reward nothing would move) and one critic step per rollout
-        **{
-            "grpo": {"beta": 0.01},
-            "dr_grpo": {"truncated-reward": "keep"},
-            "ppo": {"truncated-reward": "keep", "prompts-per-step": 32, "critic-num-mini-batches": 1},
-        }.get(script, {}),
-    )
-    cmd = [*launch_cmd(os.path.join(ROOT, f"{script}.py"), zero3=True), *flags]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # both ranks end quietly
-    (run_dir,) = glob.glob(os.path.join(tmp_path, "z3__*"))  # the ranks agreed on one run directory
+    code, stdout, stderr, out_dir = zero3_runs[script]
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]  # both ranks end quietly
+    (run_dir,) = glob.glob(os.path.join(out_dir, "z3__*"))  # the ranks agreed on one run directory
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1], rows
     timeouts = sum(r["train/reward_timeouts"] for r in rows)

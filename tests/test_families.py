@@ -1,8 +1,8 @@
 """Models a user brings: tiny random models of several families, built from their configs, give the trainer the
 log-probs their own forward gives (logit scales and soft caps included, or a one-line refusal); a Gemma-3 base model (a
 tokenizer that adds BOS, no chat template, sliding-window layers, tied scaled embeddings, a logit soft cap) runs
-through every script on both samplers with the log-prob canary below 1e-4; prompts get the tokenizer's BOS exactly
-when they are raw text."""
+through one script of each path it takes differently, on both samplers, with the log-prob canary below 1e-4;
+prompts get the tokenizer's BOS exactly when they are raw text."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from common.data import chat_template_note, encode_prompt, load_data
 from common.logprobs import TokenLogProbs
 from tests.checks import case_run, run_selected_cases
-from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
+from tests.test_scripts import LEARN_FLAGS, ROOT, read_metrics, toy_flags
 from tests.toy import build_gemma3
 
 LOGPROB_ATOL = 1e-4  # the canary's bound (tests/test_vllm.py explains it)
@@ -143,12 +143,18 @@ def env() -> dict[str, str]:
     return {**base, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
 
 
-# Every script with vLLM (the soft cap and scaled embeddings must reach the engine; the canary checks it), HF
-# generate with grpo.py only: the trainer's side of the soft cap is the same code for every script (common/).
-GEMMA_CASES = [(s, "vllm") for s in SCRIPTS] + [("grpo", "hf")]
+# One script per path a Gemma-3 model takes differently, on vLLM; HF generate with grpo.py only. Every script samples
+# through common/'s rollout and engine and scores through common/'s log-probs, so the soft cap and scaled embeddings
+# reach the engine and the trainer by the same code in all of them, and every script pushes its weights where grpo.py
+# does (tests/test_vllm.py reads each one). Here: grpo.py (the plain path), dppo.py (the sampler's log-probs are its
+# ratio, no correction), daro.py (a second correction of its own), ppo.py (a Gemma-3 critic, as vapo.py and
+# long_cot.py build theirs: common/critic.py), l1.py (its budget's text in every prompt, after the BOS), cppo.py
+# (pruned completions skip the log-prob pass). tests/test_vllm.py runs dapo.py and lite_ppo.py's rollouts on vLLM.
+GEMMA_SCRIPTS = ("grpo", "dppo", "daro", "ppo", "l1", "cppo")
+GEMMA_CASES = [(s, "vllm") for s in GEMMA_SCRIPTS] + [("grpo", "hf")]
 
 
-GEMMA_TEST = "test_every_script_trains_a_gemma3_base_model"
+GEMMA_TEST = "test_the_scripts_train_a_gemma3_base_model"
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +177,7 @@ def gemma_runs(request, gemma, toy_assets, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,sampler", GEMMA_CASES)
-def test_every_script_trains_a_gemma3_base_model(script, sampler, gemma_runs, request):
+def test_the_scripts_train_a_gemma3_base_model(script, sampler, gemma_runs, request):
     """Two steps on the toy task with the raw-text template: the prompts start with the tokenizer's BOS (the ids
     vLLM samples from are the trainer's: the canary would show any other), every step's canary is below 1e-4 (HF
     generate's processed log-probs too: the trainer applies the model's soft cap), the rollout correction's weights

@@ -37,7 +37,10 @@ LOGPROB_ATOL = 1e-4  # the canary's bound (tests/test_vllm.py)
 STARTUP = 300  # seconds a server may take to answer /health (~25 s on 2 idle cores)
 
 
-def env(threads: int = 2) -> dict[str, str]:
+def env(threads: int = 1) -> dict[str, str]:
+    """A server's or trainer's process: one thread each, a core each on 2 cores. vLLM's CPU worker busy-waits for 1 s
+    after every request it serves (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`), so a trainer
+    of 2 threads beside it waits on its own OpenMP barrier: its update took 1.0 s instead of 0.05 s on the toy model."""
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return {**base, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
 
@@ -50,7 +53,7 @@ def start_server(model: str, log_path: str) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, os.path.join(ROOT, "tools", "vllm_server.py"), "--model", model, "--port", str(port)]
     cmd += ["--kv-cache-gib", "0.25", "--max-model-len", "128"]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env(1), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", STARTUP)
     except TimeoutError:
@@ -158,11 +161,37 @@ def test_tool_rollouts_through_the_server(server, tool_model, tmp_path):
 
 
 @pytest.mark.slow
+def test_the_game_on_vllm_colocated_and_through_the_server(server, vllm_assets, tmp_path):
+    """The built-in game, 3 steps, on vLLM's colocated engine and through tools/vllm_server.py: the same per-request
+    seeds, so the two sample the same episodes (the same returns, turns and observation tokens at every step, as the
+    tool's synchronous runs above show for one-turn rollouts); the observations stay out of the canary (< 1e-4, where an
+    observation token's sampler log-prob 0.0 in the mask would put it near 1) and every env/ key is documented."""
+    from tests.test_docs import undocumented_metric_keys
+    from tests.test_env import game_flags, run_grpo
+
+    extra = {"sampler": "vllm", "learning-rate": 3e-3, "log-samples-every": 1}
+    colocated = run_grpo(
+        game_flags(vllm_assets["model"], str(tmp_path / "c"), 3, **extra, **{"vllm-gpu-memory-utilization": 0.02})
+    )
+    served_flags = {"vllm-mode": "server", "vllm-server-port": server, "vllm-server-timeout": 120}
+    served = run_grpo(game_flags(vllm_assets["model"], str(tmp_path / "s"), 3, **extra, **served_flags))
+    keys = ("env/reward_mean", "env/turns_mean", "env/obs_tokens_mean", "train/response_length_mean")
+    for a, b in zip(colocated, served):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], abs=1e-6), a["step"]
+    for rows in (colocated, served):
+        assert all(r["env/turns_mean"] > 0 and r["env/obs_tokens_mean"] > 0 for r in rows)
+        diffs = [r["train/logprob_diff_max"] for r in rows if "train/logprob_diff_max" in r]
+        assert diffs and max(diffs) < 1e-4, diffs
+        assert not undocumented_metric_keys({k for r in rows for k in r if k != "step"})
+
+
+@pytest.mark.slow
 def test_one_step_off_policy_trains_the_toy_task(server, vllm_assets, tmp_path):
     """--off-policy-steps 1: every step after the first trains on the rollout the previous step's policy generated
     (staleness 1), while the server generates the next; the rollout correction weighs the drift, and accuracy rises
     as in the synchronous learning test (tests/test_scripts.py: the second half against the first 10 steps). 75
-    steps: seeds 1-3 rise 0.146, 0.146, 0.151 (2026-11-29; 0.145-0.213 at 100 steps, 0.227 at 150 on seed 1)."""
+    steps: seeds 1-4 rise 0.146, 0.146, 0.151, 0.112 (2026-11-29, the trainer on one thread; 0.145-0.213 at 100
+    steps, 0.227 at 150 on seed 1)."""
     extra = {"off-policy-steps": 1, "max-new-tokens": 2, "total-steps": 75, "micro-batch-size": 128}
     run(
         [

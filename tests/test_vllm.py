@@ -15,6 +15,7 @@ on each side of 1e-4.
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 from common.sampling import Completion, VLLMSampler, vllm_available
-from tests.checks import case_run, launch_cmd, run_selected_cases
+from tests.checks import case_run, launch_cmd, run_selected_cases, run_side_by_side
 from tests.test_scripts import LEARN_FLAGS, ROOT, SCRIPTS, read_metrics, toy_flags
 
 if torch.cuda.is_available():  # these check the fp32 CPU engine; on GPUs the engine is bf16 (gpu-marked tests)
@@ -162,8 +163,9 @@ def test_aborted_or_failed_requests_raise():
 
 
 # grpo and one script of each rollout or ratio that differs: dynamic sampling (dapo; cispo the same), top-p 0.99
-# (lite_ppo), the sampler as the behaviour policy (dppo; m2po the same). Every script's loop runs on vLLM in
-# tests/test_families.py (Gemma-3, the same canary and correction-weight checks).
+# (lite_ppo), the sampler as the behaviour policy (dppo; m2po the same). daro.py, ppo.py, l1.py and cppo.py run on
+# vLLM with Gemma-3 in tests/test_families.py (the same canary and correction-weight checks); every script pushes
+# where grpo.py does (read below).
 VLLM_LOOP_SCRIPTS = [s for s in SCRIPTS if s in ("grpo", "dapo", "lite_ppo", "dppo")]
 
 
@@ -185,6 +187,37 @@ def mutated_grpo(mutation: str, path: str) -> str:
     with open(path, "w") as f:
         f.write(mutated)
     return path
+
+
+def calls(node: ast.AST, name: str) -> int:
+    """How many calls to a function or method named `name` `node` holds."""
+    return sum(
+        isinstance(n, ast.Call) and name in (getattr(n.func, "attr", None), getattr(n.func, "id", None))
+        for n in ast.walk(node)
+    )
+
+
+def pushes_once_after_the_update(source: str) -> bool:
+    """The script pushes its weights into the sampler once, in a statement of its own in the step loop, after the
+    statement that holds the update: where grpo.py pushes, which the canary below shows matters."""
+    tree = ast.parse(source)
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.For) and getattr(n.target, "id", None) == "step")
+    body = [(calls(s, "update_weights"), calls(s, "update_policy")) for s in loop.body]
+    push = [i for i, (p, _) in enumerate(body) if p]
+    update = [i for i, (_, u) in enumerate(body) if u]
+    return calls(tree, "update_weights") == 1 and len(push) == len(update) == 1 and push[0] > update[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_pushes_its_weights_where_grpo_does(script, tmp_path):
+    """Read, not run: the runs below, and tests/test_families.py's on Gemma-3, show eight scripts' pushes reaching
+    the engine; every script pushes from the same place. grpo.py with its push deleted or moved before
+    the update fails the same check."""
+    assert pushes_once_after_the_update(open(os.path.join(ROOT, f"{script}.py")).read()), script
+    if script == "grpo":
+        for mutation in ("skipped", "before_the_optimizer_step"):
+            path = mutated_grpo(mutation, str(tmp_path / f"{mutation}.py"))
+            assert not pushes_once_after_the_update(open(path).read()), mutation
 
 
 @pytest.fixture(scope="module")
@@ -295,17 +328,13 @@ def test_sampler_flags_are_refused_with_one_line(vllm_assets, tmp_path):
         ({"vllm-enable-sleep-mode": True}, "--vllm-enable-sleep-mode"),
         ({"max-prompt-tokens": 500, "max-new-tokens": 20}, "--max-prompt-tokens"),
     ]  # 520 > the model's 512
+    jobs = {}
     for extra, flag in cases:
         flags = vllm_flags(vllm_assets, tmp_path / "out", 1, **extra)
         flags = [f for f in flags if f != "True"]  # a bool flag takes no value
-        proc = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "grpo.py"), *flags],
-            cwd=ROOT,
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode != 0 and flag in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-        assert not os.path.exists(tmp_path / "out")
-        assert re.search(r"Traceback", proc.stderr) is None
+        jobs[flag] = ([sys.executable, os.path.join(ROOT, "grpo.py"), *flags], env())
+    # side by side: each process is mostly its imports, in one thread (tests.checks.run_side_by_side)
+    for flag, (code, _, stderr) in run_side_by_side(jobs, str(tmp_path), at_once=3, timeout=300).items():
+        assert code != 0 and flag in stderr.strip().splitlines()[-1], stderr[-2000:]
+        assert re.search(r"Traceback", stderr) is None
+    assert not os.path.exists(tmp_path / "out")
