@@ -94,23 +94,30 @@ def run_side_by_side(
     beside them fills; for tests whose runs are separate processes anyway."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pending, running, done = list(jobs.items()), {}, {}
-    while pending or running:
-        while pending and len(running) < at_once:
-            key, (cmd, env) = pending.pop(0)
-            out, err = (open(os.path.join(work_dir, f"{key}.{x}"), "w") for x in ("out", "err"))
-            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err, start_new_session=True)
-            running[key] = (proc, out, err, time.monotonic())
-        for key, (proc, out, err, start) in list(running.items()):
-            if proc.poll() is None and time.monotonic() - start < timeout:
-                continue
+    try:
+        while pending or running:
+            while pending and len(running) < at_once:
+                key, (cmd, env) = pending.pop(0)
+                out, err = (open(os.path.join(work_dir, f"{key}.{x}"), "w") for x in ("out", "err"))
+                proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err, start_new_session=True)
+                running[key] = (proc, out, err, time.monotonic())
+            for key, (proc, out, err, start) in list(running.items()):
+                if proc.poll() is None and time.monotonic() - start < timeout:
+                    continue
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                for f in (out, err):
+                    f.close()
+                done[key] = (proc.returncode, open(out.name).read(), open(err.name).read())
+                del running[key]
+            time.sleep(0.2)
+    finally:  # interrupted: no launch outlives the test
+        for proc, out, err, _ in running.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            for f in (out, err):
-                f.close()
-            done[key] = (proc.returncode, open(out.name).read(), open(err.name).read())
-            del running[key]
-        time.sleep(0.2)
+            out.close(), err.close()
     return done
 
 
