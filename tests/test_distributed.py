@@ -258,8 +258,8 @@ ZERO3_TEST = "test_zero3_run_trains_and_saves_full_weights"
 @pytest.fixture(scope="module")
 def zero3_runs(request, toy_assets, tmp_path_factory):
     """The launches of the test below that this session runs, two side by side (tests.checks.run_side_by_side: a
-    DeepSpeed launch spends most of its ~13 s importing and setting up in one thread per process): {script: (exit
-    code, stdout, stderr, output directory)}."""
+    launch's imports and set-up run in one thread per process; the seven took 83 s so, 96 s one after another):
+    {script: (exit code, stdout, stderr, output directory)}."""
     pytest.importorskip("deepspeed")
     work = tmp_path_factory.mktemp("zero3")
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

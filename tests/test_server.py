@@ -1,9 +1,9 @@
 """`--vllm-mode server` and `--off-policy-steps`, for real on CPU: tools/vllm_server.py (vLLM's own server, CPU build)
 serving the toy model; trainers of 1 and 2 processes (the 2 with the Python tool) push their weights over a gloo
 process group after every update (the canary below 1e-4 at every step); synchronous server runs reproduce themselves
-bit for bit and the colocated engine's run; one step off-policy trains the toy task and resumes exactly; a server
-that dies mid-run gives one line and leaves the last checkpoint intact; a server that never answers gives the timeout
-line, never a hang.
+bit for bit and the colocated engine's run, and so does the built-in game's; one step off-policy trains the toy task
+and resumes exactly; a server that dies mid-run gives one line and leaves the last checkpoint intact; a server that
+never answers gives the timeout line, never a hang.
 
 Servers bind 127.0.0.1 only; every request a test makes is bounded by --vllm-server-timeout and each subprocess by a
 timeout.
@@ -164,7 +164,7 @@ def test_tool_rollouts_through_the_server(server, tool_model, tmp_path):
 def test_the_game_on_vllm_colocated_and_through_the_server(server, vllm_assets, tmp_path):
     """The built-in game, 3 steps, on vLLM's colocated engine and through tools/vllm_server.py: the same per-request
     seeds, so the two sample the same episodes (the same returns, turns and observation tokens at every step, as the
-    tool's synchronous runs above show for one-turn rollouts); the observations stay out of the canary (< 1e-4, where an
+    synchronous runs above show for one-turn rollouts); the observations stay out of the canary (< 1e-4, where an
     observation token's sampler log-prob 0.0 in the mask would put it near 1) and every env/ key is documented."""
     from tests.test_docs import undocumented_metric_keys
     from tests.test_env import game_flags, run_grpo

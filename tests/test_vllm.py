@@ -210,9 +210,9 @@ def pushes_once_after_the_update(source: str) -> bool:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_pushes_its_weights_where_grpo_does(script, tmp_path):
-    """Read, not run: the runs below, and tests/test_families.py's on Gemma-3, show eight scripts' pushes reaching
-    the engine; every script pushes from the same place. grpo.py with its push deleted or moved before
-    the update fails the same check."""
+    """Read, not run: the runs below, tests/test_families.py's on Gemma-3 and tests/test_real_model.py's show nine
+    scripts' pushes reaching the engine; every script pushes from the same place. grpo.py with its push deleted or
+    moved before the update fails the same check."""
     assert pushes_once_after_the_update(open(os.path.join(ROOT, f"{script}.py")).read()), script
     if script == "grpo":
         for mutation in ("skipped", "before_the_optimizer_step"):
