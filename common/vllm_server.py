@@ -292,9 +292,11 @@ def closed_before_answering(error: BaseException) -> bool:
     idempotent methods; generation is a POST)."""
     from http.client import RemoteDisconnected
 
-    while error is not None:
+    seen = set()
+    while error is not None and id(error) not in seen:  # the chain of wrapped errors, each once
         if isinstance(error, RemoteDisconnected):
             return True
+        seen.add(id(error))
         nested = [a for a in error.args if isinstance(a, BaseException)]
         error = nested[-1] if nested else error.__cause__
     return False
